@@ -1,0 +1,1 @@
+"""MorphServe backend: an elastic LLM serving engine for Triton Inference Server."""

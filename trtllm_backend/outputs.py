@@ -1,0 +1,53 @@
+"""Small dataclasses the engine hands to its callers (the Triton glue, the CLI, benchmarks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    arrival: float  # time.monotonic() when the request was added
+    scheduled: float | None = None  # first time it entered the running batch
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One streamed piece of a request: the tokens made since the previous output."""
+
+    request_id: str
+    text: str  # text delta (never half a UTF-8 character)
+    token_ids: list[int]  # new token ids in this piece
+    int4_layers: list[int]  # per new token: how many decoder layers ran quantized when it was made
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    timings: RequestTimings | None = None
+    preempted: int = 0  # how many times this request was preempted and recomputed
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_usage: float = 0.0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    iterations: int = 0
+    # Morph state (stays zero until the controller acts).
+    int4_layers: int = 0
+    swaps_down: int = 0
+    swaps_up: int = 0
+    kv_grows: int = 0
+    kv_shrinks: int = 0
+    swap_failures: int = 0
+    memory_budget_bytes: int = 0
+    memory_used_bytes: int = 0
+    swap_timings: list[tuple[float, float]] = field(default_factory=list)  # (prepare_s, apply_s) since last call

@@ -1,0 +1,75 @@
+"""Per-request sampling parameters and the batched sampler."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .errors import InvalidRequest
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    min_tokens: int = 0  # end-of-sequence and stop strings are ignored before this many tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            if key not in known:
+                raise InvalidRequest(key, f"unknown sampling field (known: {', '.join(sorted(known))})")
+        return cls(**values)
+
+    def validate(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
+            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest("top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequest("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest("stop", "must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """Pick one token per row of `logits` [batch, vocab] (fp32)."""
+    out: list[int] = []
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            out.append(greedy_ids[row])
+            continue
+        scores = logits[row].float() / p.temperature
+        if p.top_k > 0 and p.top_k < scores.numel():
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, idx = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # NOTE: keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+            drop = cumulative - sorted_probs >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
+        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+    return out
