@@ -1,0 +1,1 @@
+"""Offline builders: model import and per-layer fragment sets."""
