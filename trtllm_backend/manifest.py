@@ -85,6 +85,13 @@ class Manifest:
         order = self.data.get("swap_order")
         return list(order) if order else list(range(self.num_layers))
 
+    def side_file(self, name: str) -> Path:
+        """A plain side file (the tokenizer); it is generated with the set but carries no hash."""
+        path = self.dir / name
+        if not path.is_file():
+            raise FragmentError(f"{path}: file missing")
+        return path
+
     def verified_path(self, entry: dict) -> Path:
         path = self.dir / entry["file"]
         if not path.is_file():

@@ -1,0 +1,133 @@
+"""Paged attention over block tables (torch, CPU; the same code runs on CUDA tensors).
+
+The engine flattens every scheduled token of an iteration into one [T, ...] batch so the matmuls run once;
+only attention is per sequence group: all decode sequences (one new token each) in one padded, masked SDPA,
+and each prefill chunk on its own (causal, with earlier context gathered from the pool when there is some).
+The plan is built once per iteration and reused by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trtllm_backend.kv_cache import KVPool
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    start: int  # first row of this sequence's new tokens in the flattened batch
+    q_len: int  # new tokens this iteration
+    ctx_len: int  # tokens in the cache after this iteration (earlier context + new)
+    block_table: list[int]
+
+
+# One piece of a slot access: (segment tensor, rows of the output/input it serves or None for all, local slots)
+Piece = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+
+def _split_by_segment(pool: KVPool, slots: torch.Tensor) -> list[Piece]:
+    """Map global slot ids to (segment, local slot), grouped by segment."""
+    bs = pool.block_size
+    segs = pool.segments
+    if len(segs) == 1:
+        return [(segs[0].kv, None, slots - segs[0].base * bs)]
+    bounds = torch.tensor([s.base * bs for s in segs[1:]], dtype=slots.dtype)
+    which = torch.bucketize(slots, bounds, right=True)
+    pieces = []
+    for i, seg in enumerate(segs):
+        rows = (which == i).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        if rows.numel() == slots.numel():
+            return [(seg.kv, None, slots - seg.base * bs)]
+        pieces.append((seg.kv, rows, slots[rows] - seg.base * bs))
+    return pieces
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(start, end)
+    blocks = torch.tensor(block_table, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+class AttentionPlan:
+    def __init__(self, pool: KVPool, seqs: list[SeqSlice]):
+        bs = pool.block_size
+        self.pool = pool
+        self.num_tokens = sum(s.q_len for s in seqs)
+        # Where each new token's K/V goes.
+        write_slots = torch.cat([_slots(s.block_table, s.ctx_len - s.q_len, s.ctx_len, bs) for s in seqs])
+        self.write = _split_by_segment(pool, write_slots)
+        # Decode group: one new token per sequence, keys padded to the longest context and masked.
+        dec = [s for s in seqs if s.q_len == 1]
+        self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long)
+        self.decode_len = max((s.ctx_len for s in dec), default=0)
+        self.decode_gather: list[Piece] = []
+        self.decode_mask: torch.Tensor | None = None
+        if dec:
+            L = self.decode_len
+            lens = torch.tensor([s.ctx_len for s in dec])
+            pos = torch.arange(L).expand(len(dec), L)
+            valid = pos < lens[:, None]
+            # Padding positions read the sequence's own first slot (always valid) and are masked out.
+            clamped = torch.where(valid, pos, torch.zeros_like(pos))
+            tables = torch.zeros(len(dec), (L + bs - 1) // bs, dtype=torch.long)
+            for i, s in enumerate(dec):
+                n = (s.ctx_len + bs - 1) // bs
+                tables[i, :n] = torch.tensor(s.block_table[:n])
+            slots = torch.gather(tables, 1, clamped // bs) * bs + clamped % bs
+            self.decode_gather = _split_by_segment(pool, slots.flatten())
+            self.decode_mask = None if bool(valid.all()) else valid[:, None, None, :]
+        # Prefill chunks: causal over new tokens, plus earlier context read back from the pool.
+        self.prefills: list[tuple[SeqSlice, list[Piece] | None, torch.Tensor | None]] = []
+        for s in seqs:
+            if s.q_len == 1:
+                continue
+            if s.ctx_len == s.q_len:
+                self.prefills.append((s, None, None))
+            else:
+                gather = _split_by_segment(pool, _slots(s.block_table, 0, s.ctx_len, bs))
+                q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len)
+                mask = torch.arange(s.ctx_len)[None, :] <= q_pos[:, None]
+                self.prefills.append((s, gather, mask))
+
+
+def _gather(pieces: list[Piece], layer: int, kv_index: int, n: int) -> torch.Tensor:
+    first = pieces[0]
+    if first[1] is None:
+        return first[0][layer, kv_index].index_select(0, first[2])
+    src = first[0][layer, kv_index]
+    out = torch.empty((n,) + tuple(src.shape[1:]), dtype=src.dtype)
+    for kv, rows, local in pieces:
+        out.index_copy_(0, rows, kv[layer, kv_index].index_select(0, local))
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: AttentionPlan) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for the new tokens -> attention output [T, H, D]. Writes k/v to the pool."""
+    for kv, rows, local in plan.write:
+        kv[layer, 0].index_copy_(0, local, k if rows is None else k[rows])
+        kv[layer, 1].index_copy_(0, local, v if rows is None else v[rows])
+    out = torch.empty_like(q)
+    T, H, D = q.shape
+    if plan.decode_gather:
+        B, L = plan.decode_rows.numel(), plan.decode_len
+        keys = _gather(plan.decode_gather, layer, 0, B * L).view(B, L, -1, D).transpose(1, 2)
+        vals = _gather(plan.decode_gather, layer, 1, B * L).view(B, L, -1, D).transpose(1, 2)
+        qd = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, enable_gqa=True)
+        out.index_copy_(0, plan.decode_rows, o[:, :, 0, :])
+    for s, gather, mask in plan.prefills:
+        sl = slice(s.start, s.start + s.q_len)
+        qs = q[sl].transpose(0, 1)[None]  # [1, H, q, D]
+        if gather is None:
+            ks, vs = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ks = _gather(gather, layer, 0, s.ctx_len).transpose(0, 1)[None]
+            vs = _gather(gather, layer, 1, s.ctx_len).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        out[sl] = o[0].transpose(0, 1)
+    return out

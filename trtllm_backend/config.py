@@ -1,0 +1,55 @@
+"""Engine configuration: one dataclass, checked at construction, KV sizing computed in one place."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    fragment_dir: str
+    block_size: int = 16
+    max_batch_size: int = 32
+    max_num_tokens: int = 512  # tokens computed per iteration (prefill is chunked to fit)
+    max_tokens_in_paged_kv_cache: int = 8192  # the KV pool at full precision, in tokens
+    max_queue_size: int = 256
+    max_model_len: int | None = None  # default: the model's context length
+    num_threads: int | None = None  # default: all cores
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: fp32 on CPU (measured fastest here), fp16 on CUDA
+
+    def __post_init__(self):
+        for name in ("block_size", "max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache", "max_queue_size"):
+            _positive(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
+        if self.max_tokens_in_paged_kv_cache < self.block_size:
+            raise ValueError("max_tokens_in_paged_kv_cache must hold at least one block")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # NOTE: on this AVX2 CPU fp32 matmuls beat bf16 for SmolLM2's shapes (tools/bench_engine.py shows
+            # both); on CUDA fp16 is the native full precision.
+            return torch.float16 if self.device == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    @property
+    def base_kv_blocks(self) -> int:
+        return self.max_tokens_in_paged_kv_cache // self.block_size
+
+    def threads(self) -> int:
+        return self.num_threads or os.cpu_count() or 1

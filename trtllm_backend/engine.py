@@ -1,0 +1,265 @@
+"""The engine: schedule -> forward -> sample -> emit, one iteration at a time, on one thread.
+
+Callers (the Triton glue, the CLI, benchmarks) add requests from any thread; the engine thread owns
+all mutable state (scheduler, KV pool, layer slots) and hands results back through callbacks.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from plugins.paged_attention import AttentionPlan, SeqSlice
+
+from .config import EngineConfig
+from .errors import InvalidRequest, QueueFull
+from .fragments import FragmentStore
+from .kv_cache import KVPool
+from .manifest import FULL, Manifest
+from .model import LlamaModel
+from .outputs import EngineStats, RequestOutput, RequestTimings
+from .request import Request
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+from .streaming import OutputStream
+
+OnOutput = Callable[[RequestOutput], None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.set_num_threads(config.threads())
+        self.manifest = Manifest(config.fragment_dir)
+        mc = self.manifest.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.store = FragmentStore(self.manifest, config.torch_dtype)
+        from .tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer(self.manifest)
+        self.model = LlamaModel(self.store, self.max_model_len)
+        self.pool = KVPool(mc, config.block_size, config.torch_dtype, config.device)
+        self.pool.add_segment(config.base_kv_blocks)
+        self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
+        self.streams: dict[str, OutputStream] = {}
+        self.requests: dict[str, Request] = {}
+        self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
+        self.iteration_hooks: list[Callable[[LLMEngine], None]] = []  # run between iterations (morphing)
+        self.counters = EngineStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._pending = 0  # accepted, not yet finished (for the queue cap)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._stats = EngineStats()
+        self._publish_stats()
+
+    # ---- public API (any thread) -----------------------------------------------------------------
+    def add_request(self, prompt: str, params: SamplingParams, on_output: OnOutput, request_id: str | None = None) -> str:
+        if not self._accepting:
+            raise QueueFull("engine is shutting down")
+        prompt_ids = self._validate(prompt, params)
+        with self._lock:
+            if self._pending - self._stats.running >= self.config.max_queue_size:
+                raise QueueFull(f"waiting queue is full (max_queue_size={self.config.max_queue_size})")
+            self._pending += 1
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, prompt_ids, params, RequestTimings(arrival=time.monotonic()))
+        self._inbox.put(("add", req, on_output))
+        self._wake.set()
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+        return True
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="morphserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, drain_timeout_s: float = 5.0) -> None:
+        """Stop admission, let running requests finish until the timeout, abort the rest, join."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._thread and self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join()
+            self._thread = None
+        self._drain_inbox()
+        for rid in list(self.requests):
+            self._finish(self.requests[rid], "abort")
+
+    def generate(self, prompt: str, params: SamplingParams) -> Iterator[RequestOutput]:
+        """In-process streaming: yields each output piece; runs the engine loop on a thread if needed."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self.add_request(prompt, params, q.put)
+        if self._thread is None:
+            self.run_until_idle()
+        while True:
+            out = q.get()
+            yield out
+            if out.finished:
+                return
+
+    def run_until_idle(self) -> None:
+        """Run iterations on the calling thread until every request is done (offline use, tests)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is running; use callbacks or generate()")
+        while True:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                return
+            self.step()
+
+    # ---- validation (caller thread, before any memory is taken) ----------------------------------
+    def _validate(self, prompt: str, params: SamplingParams) -> list[int]:
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequest("prompt", "must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params", "must be SamplingParams")
+        params.validate()
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise InvalidRequest("prompt", "encodes to zero tokens")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest("prompt", f"{len(ids)} tokens, the model context is {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                "max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceeds the context of {self.max_model_len}"
+            )
+        capacity = self.config.base_kv_blocks * self.config.block_size
+        if len(ids) > capacity:
+            raise InvalidRequest("prompt", f"{len(ids)} tokens do not fit the KV cache ({capacity} tokens)")
+        if len(ids) + params.max_tokens > capacity:
+            raise InvalidRequest(
+                "max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceeds the KV cache ({capacity} tokens)"
+            )
+        return ids
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                self._publish_stats()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                for hook in self.iteration_hooks:  # idle iterations still let the controller restore layers
+                    hook(self)
+                continue
+            self.step()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item, cb = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.requests[item.request_id] = item
+                self.streams[item.request_id] = OutputStream(item, self.tokenizer, cb)
+                self.scheduler.add(item)
+            elif kind == "abort" and item in self.requests:
+                self._finish(self.requests[item], "abort")
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        for hook in self.iteration_hooks:
+            hook(self)
+        sched = self.scheduler.schedule()
+        self.counters.preemptions = self.scheduler.num_preemptions
+        self.last_schedule = sched
+        if not sched.scheduled:
+            self._publish_stats()
+            return
+        ids, pos, seqs, rows, samplers = [], [], [], [], []
+        start = 0
+        for req, n in sched.scheduled:
+            c = req.num_computed
+            ids.extend(req.token_ids[c : c + n])
+            pos.extend(range(c, c + n))
+            seqs.append(SeqSlice(start, n, c + n, req.block_table))
+            start += n
+            if c + n == req.num_tokens:
+                rows.append(start - 1)
+                samplers.append(req)
+        plan = AttentionPlan(self.pool, seqs)
+        logits = self.model.forward(torch.tensor(ids), torch.tensor(pos), plan, torch.tensor(rows, dtype=torch.long))
+        for req, n in sched.scheduled:
+            req.num_computed += n
+            self.counters.prompt_tokens += n if req.num_output == 0 else 0
+        if samplers:
+            self._mask_early_eos(logits, samplers)
+            if self.on_logits is not None:
+                for r, req in enumerate(samplers):
+                    self.on_logits(req.request_id, logits[r])
+            tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
+            int4 = self.num_quantized_layers()
+            now = time.monotonic()
+            for req, tok in zip(samplers, tokens):
+                req.token_ids.append(tok)
+                self.counters.generation_tokens += 1
+                if req.timings.first_token is None:
+                    req.timings.first_token = now
+                reason = self.streams[req.request_id].add_token(tok, int4)
+                if reason:
+                    self._finish(req, reason)
+        self.counters.iterations += 1
+        self._publish_stats()
+
+    def _mask_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        eos = list(self.tokenizer.eos_token_ids)
+        for r, req in enumerate(reqs):
+            if req.params.ignore_eos or req.num_output < req.params.min_tokens:
+                logits[r, eos] = float("-inf")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req)
+        req.timings.finished = time.monotonic()
+        stream = self.streams.pop(req.request_id)
+        del self.requests[req.request_id]
+        with self._lock:
+            self._pending -= 1
+        stream.finish(reason)
+
+    def num_quantized_layers(self) -> int:
+        return sum(1 for s in self.model.slots if s.precision != FULL)
+
+    def _publish_stats(self) -> None:
+        """Snapshot for other threads (replaced whole, never mutated after publication)."""
+        c, p, s = self.counters, self.pool, self.scheduler
+        self._stats = EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_blocks_total=p.num_blocks,
+            kv_blocks_used=p.num_used,
+            kv_blocks_free=p.num_free,
+            kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
+            preemptions=s.num_preemptions,
+            prompt_tokens=c.prompt_tokens,
+            generation_tokens=c.generation_tokens,
+            iterations=c.iterations,
+            int4_layers=self.num_quantized_layers(),
+            swaps_down=c.swaps_down,
+            swaps_up=c.swaps_up,
+            kv_grows=c.kv_grows,
+            kv_shrinks=c.kv_shrinks,
+            swap_failures=c.swap_failures,
+            memory_budget_bytes=c.memory_budget_bytes,
+            memory_used_bytes=self.model.weights_nbytes + p.nbytes,
+        )

@@ -1,0 +1,121 @@
+"""Paged KV cache: a pool of segments of cross-layer blocks, and the block manager.
+
+A block holds K and V of `block_size` tokens for *all* layers, so bytes freed anywhere become blocks every
+layer can use. Inside a segment the memory is layer-major ([layer, k|v, slot, kv_head, head_dim]) so one
+layer's keys are a single index_select away; the block is still the unit of allocation and accounting.
+Block ids are global and stable: segment s owns ids [base, base + num_blocks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .manifest import ModelConfig
+
+
+@dataclass(slots=True)
+class KVSegment:
+    base: int  # first global block id
+    num_blocks: int
+    kv: torch.Tensor  # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]
+    free: list[int] = field(default_factory=list)  # global ids, popped from the end
+    draining: bool = False  # no new allocations; released once empty
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def owns(self, block: int) -> bool:
+        return self.base <= block < self.base + self.num_blocks
+
+
+class KVPool:
+    """Owns the segments and hands out blocks. Not thread-safe: used by the engine thread only."""
+
+    def __init__(self, config: ModelConfig, block_size: int, dtype: torch.dtype, device: str = "cpu"):
+        self.config = config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.segments: list[KVSegment] = []
+        self._next_base = 0
+
+    # ---- sizing -------------------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.kv_bytes_per_token(itemsize) * self.block_size
+
+    def blocks_for_bytes(self, nbytes: int) -> int:
+        return nbytes // self.bytes_per_block
+
+    # ---- segments -----------------------------------------------------------------------------------
+    def add_segment(self, num_blocks: int) -> KVSegment:
+        c = self.config
+        kv = torch.zeros(
+            c.num_layers, 2, num_blocks * self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
+        )
+        seg = KVSegment(self._next_base, num_blocks, kv)
+        # Lowest ids are handed out first: they are popped from the end of the list.
+        seg.free = list(range(seg.base + num_blocks - 1, seg.base - 1, -1))
+        self._next_base += num_blocks
+        self.segments.append(seg)
+        return seg
+
+    def release_segment(self, seg: KVSegment) -> None:
+        if len(seg.free) != seg.num_blocks:
+            raise RuntimeError(f"segment at block {seg.base} still holds {seg.num_blocks - len(seg.free)} live blocks")
+        self.segments.remove(seg)
+
+    def segment_of(self, block: int) -> KVSegment:
+        for seg in self.segments:
+            if seg.owns(block):
+                return seg
+        raise KeyError(f"block {block} belongs to no segment")
+
+    # ---- blocks -------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return sum(s.num_blocks for s in self.segments)
+
+    @property
+    def num_allocatable(self) -> int:
+        return sum(len(s.free) for s in self.segments if not s.draining)
+
+    @property
+    def num_free(self) -> int:
+        return sum(len(s.free) for s in self.segments)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n blocks, all or nothing; draining segments are skipped; earliest segments first."""
+        if n > self.num_allocatable:
+            return None
+        out: list[int] = []
+        for seg in self.segments:
+            if seg.draining:
+                continue
+            while seg.free and len(out) < n:
+                out.append(seg.free.pop())
+            if len(out) == n:
+                break
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.segment_of(b).free.append(b)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Move the K/V of one block (all layers) to another block, possibly in another segment."""
+        s_seg, d_seg = self.segment_of(src), self.segment_of(dst)
+        bs = self.block_size
+        s0, d0 = (src - s_seg.base) * bs, (dst - d_seg.base) * bs
+        d_seg.kv[:, :, d0 : d0 + bs].copy_(s_seg.kv[:, :, s0 : s0 + bs])

@@ -1,0 +1,99 @@
+"""Decoder layers as slots bound to fragments.
+
+A slot runs whatever fragment it is bound to; swapping precision is rebinding the slot between two
+iterations. The layer math (RMSNorm, RoPE, GQA attention, SwiGLU) is the same for every precision: only
+the linear operators differ (dense here, INT4/INT8 in plugins.quant_matmul).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from plugins.paged_attention import AttentionPlan, paged_attention
+
+from .manifest import FULL, ModelConfig
+
+
+class DenseLinear:
+    """Unquantized weight [out, in] in the platform's full-precision dtype."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_layernorm: torch.Tensor
+    post_attention_layernorm: torch.Tensor
+    qkv: object  # callables x -> x @ W.T with .nbytes
+    o: object
+    gate_up: object
+    down: object
+
+    @property
+    def nbytes(self) -> int:
+        norms = self.input_layernorm.numel() * self.input_layernorm.element_size() * 2
+        return norms + sum(op.nbytes for op in (self.qkv, self.o, self.gate_up, self.down))
+
+
+def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> LayerWeights:
+    """Full-precision fragment -> weights with q|k|v and gate|up fused (one matmul each)."""
+    t = {k: v.to(dtype) for k, v in tensors.items()}
+    return LayerWeights(
+        input_layernorm=t["input_layernorm.weight"],
+        post_attention_layernorm=t["post_attention_layernorm.weight"],
+        qkv=DenseLinear(torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"], t["self_attn.v_proj.weight"]])),
+        o=DenseLinear(t["self_attn.o_proj.weight"]),
+        gate_up=DenseLinear(torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])),
+        down=DenseLinear(t["mlp.down_proj.weight"]),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE (HF layout). x [T, heads, D], cos/sin [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LayerSlot:
+    """One decoder layer position; `weights` is the fragment it is bound to now."""
+
+    def __init__(self, index: int, config: ModelConfig, weights: LayerWeights, precision: str = FULL):
+        self.index = index
+        self.config = config
+        self.weights = weights
+        self.precision = precision
+
+    def bind(self, weights: LayerWeights, precision: str) -> LayerWeights:
+        """Rebind to another fragment (engine thread, between iterations); returns the old weights."""
+        old, self.weights, self.precision = self.weights, weights, precision
+        return old
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        c, w = self.config, self.weights
+        T = h.shape[0]
+        x = rms_norm(h, w.input_layernorm, c.rms_norm_eps)
+        qkv = w.qkv(x)
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q = qkv[:, :q_dim].view(T, c.num_heads, c.head_dim)
+        k = qkv[:, q_dim : q_dim + kv_dim].view(T, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_dim + kv_dim :].view(T, c.num_kv_heads, c.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn = paged_attention(q, k.to(plan.pool.dtype), v.to(plan.pool.dtype), self.index, plan)
+        h = h + w.o(attn.reshape(T, q_dim).to(h.dtype))
+        x = rms_norm(h, w.post_attention_layernorm, c.rms_norm_eps)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return h + w.down(F.silu(gate) * up)

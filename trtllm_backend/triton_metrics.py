@@ -1,0 +1,140 @@
+"""Prometheus metrics through Triton's `pb_utils.MetricFamily` (served on the metrics port, :8002).
+
+Gauges and engine counters are refreshed from `engine.stats()` by the glue's metrics thread; request
+histograms and `morphserve_requests_total` are updated when a request finishes. `pb_utils` is passed in, so
+this module imports without Triton (unit tests hand it a fake).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .outputs import EngineStats, RequestTimings
+
+# Seconds. TTFT/queue time span a quiet server (ms) to a burst on two cores (tens of seconds).
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TPOT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
+E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0]
+SWAP_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+REQUEST_STATUSES = ("success", "error", "cancelled")
+
+
+class _Counter:
+    """A Prometheus counter fed from a cumulative engine counter: increments by the difference."""
+
+    __slots__ = ("metric", "last")
+
+    def __init__(self, metric: Any):
+        self.metric = metric
+        self.last = 0
+
+    def advance(self, total: int) -> None:
+        if total > self.last:
+            self.metric.increment(total - self.last)
+        self.last = total  # NOTE: a smaller total means a new engine; start counting from it
+
+
+class TritonMetrics:
+    def __init__(self, pb_utils: Any, labels: dict[str, str], kv_capacity_blocks: int):
+        self._pb = pb_utils
+        self._labels = dict(labels)
+        # NOTE: keep every family: a collected MetricFamily makes every later update of its metrics fail.
+        self.families: dict[str, Any] = {}
+        gauge, counter, hist = (pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER,
+                                pb_utils.MetricFamily.HISTOGRAM)
+
+        self.requests = self._labelled("morphserve_requests", "Requests by state (active = held by the model)",
+                                       gauge, "state", ("active", "waiting", "scheduled"))
+        self.kv_blocks = self._labelled("morphserve_kv_cache_blocks", "KV-cache blocks", gauge, "type",
+                                        ("max", "used", "free"))
+        self.kv_usage = self._single("morphserve_kv_cache_usage_ratio", "Used / max KV-cache blocks", gauge)
+        self.int4_layers = self._single("morphserve_int4_layers", "Decoder layers running quantized", gauge)
+        self.kv_capacity = self._single("morphserve_kv_capacity_blocks",
+                                        "KV-cache blocks of the configured pool with every layer at full precision",
+                                        gauge)
+        self.memory = self._labelled("morphserve_memory_bytes", "Memory budget and resident bytes", gauge, "type",
+                                     ("budget", "used"))
+
+        self.preemptions = _Counter(self._single("morphserve_preemptions_total", "Preempted requests", counter))
+        self.prompt_tokens = _Counter(self._single("morphserve_prompt_tokens_total", "Prefilled prompt tokens",
+                                                   counter))
+        self.generation_tokens = _Counter(self._single("morphserve_generation_tokens_total", "Generated tokens",
+                                                       counter))
+        self.requests_total = self._labelled("morphserve_requests_total", "Finished requests by status", counter,
+                                             "status", REQUEST_STATUSES)
+        swaps = self._labelled("morphserve_layer_swaps_total", "Layer swaps (down = to INT4)", counter, "direction",
+                               ("down", "up"))
+        self.swaps = {k: _Counter(m) for k, m in swaps.items()}
+        resizes = self._labelled("morphserve_kv_resizes_total", "KV-cache resizes", counter, "direction",
+                                 ("grow", "shrink"))
+        self.resizes = {k: _Counter(m) for k, m in resizes.items()}
+        self.swap_failures = _Counter(self._single("morphserve_swap_failures_total", "Failed layer swaps", counter))
+
+        self.ttft = self._single("morphserve_time_to_first_token_seconds", "Time to first token", hist,
+                                 LATENCY_BUCKETS)
+        self.tpot = self._single("morphserve_time_per_output_token_seconds", "Time per output token after the first",
+                                 hist, TPOT_BUCKETS)
+        self.e2e = self._single("morphserve_e2e_request_latency_seconds", "End-to-end request latency", hist,
+                                E2E_BUCKETS)
+        self.queue_time = self._single("morphserve_request_queue_time_seconds", "Time from arrival to first schedule",
+                                       hist, LATENCY_BUCKETS)
+        self.swap_prepare = self._single("morphserve_swap_prepare_seconds", "Layer swap preparation (background)",
+                                         hist, SWAP_BUCKETS)
+        self.swap_apply = self._single("morphserve_swap_apply_seconds", "Layer swap application (iteration boundary)",
+                                       hist, SWAP_BUCKETS)
+        self.kv_capacity.set(kv_capacity_blocks)
+
+    def _family(self, name: str, doc: str, kind: Any) -> Any:
+        family = self._pb.MetricFamily(name=name, description=doc, kind=kind)
+        self.families[name] = family
+        return family
+
+    def _single(self, name: str, doc: str, kind: Any, buckets: list[float] | None = None) -> Any:
+        family = self._family(name, doc, kind)
+        if buckets is not None:
+            return family.Metric(labels=self._labels, buckets=buckets)
+        return family.Metric(labels=self._labels)
+
+    def _labelled(self, name: str, doc: str, kind: Any, key: str, values: tuple[str, ...]) -> dict[str, Any]:
+        family = self._family(name, doc, kind)
+        return {v: family.Metric(labels={**self._labels, key: v}) for v in values}
+
+    # --- updates ----------------------------------------------------------------------------------------------
+    def update(self, stats: EngineStats, active: int) -> None:
+        """From the metrics thread. NOTE: stats.swap_timings is drained by each engine.stats() call, so only
+        this thread may call engine.stats() in the server."""
+        self.requests["active"].set(active)
+        self.requests["waiting"].set(stats.waiting)
+        self.requests["scheduled"].set(stats.running)
+        self.kv_blocks["max"].set(stats.kv_blocks_total)
+        self.kv_blocks["used"].set(stats.kv_blocks_used)
+        self.kv_blocks["free"].set(stats.kv_blocks_free)
+        self.kv_usage.set(stats.kv_usage)
+        self.int4_layers.set(stats.int4_layers)
+        self.memory["budget"].set(stats.memory_budget_bytes)
+        self.memory["used"].set(stats.memory_used_bytes)
+        self.preemptions.advance(stats.preemptions)
+        self.prompt_tokens.advance(stats.prompt_tokens)
+        self.generation_tokens.advance(stats.generation_tokens)
+        self.swaps["down"].advance(stats.swaps_down)
+        self.swaps["up"].advance(stats.swaps_up)
+        self.resizes["grow"].advance(stats.kv_grows)
+        self.resizes["shrink"].advance(stats.kv_shrinks)
+        self.swap_failures.advance(stats.swap_failures)
+        for prepare_s, apply_s in stats.swap_timings:
+            self.swap_prepare.observe(prepare_s)
+            self.swap_apply.observe(apply_s)
+
+    def request_finished(self, status: str, timings: RequestTimings | None = None, num_output_tokens: int = 0) -> None:
+        """Count a finished request; a request rejected before it reached the engine has no timings."""
+        self.requests_total[status].increment(1)
+        if timings is None:
+            return
+        if timings.scheduled is not None:
+            self.queue_time.observe(max(0.0, timings.scheduled - timings.arrival))
+        if timings.first_token is not None:
+            self.ttft.observe(max(0.0, timings.first_token - timings.arrival))
+            if timings.finished is not None and num_output_tokens > 1:
+                self.tpot.observe(max(0.0, timings.finished - timings.first_token) / (num_output_tokens - 1))
+        if timings.finished is not None:
+            self.e2e.observe(max(0.0, timings.finished - timings.arrival))

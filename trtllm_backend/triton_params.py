@@ -1,0 +1,208 @@
+"""The one table of model parameters (config.pbtxt `parameters`, all strings).
+
+Used by model.py (parse at load), by the launcher (validate `--param NAME=VALUE` before the server starts)
+and to generate the README table (`python -m trtllm_backend.triton_params`). To add a setting, add a row:
+its target says where the parsed value goes (an EngineConfig field, a default SamplingParams field, or a
+ModelSettings field read by the Triton glue itself).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+
+class ParamError(ValueError):
+    """A parameter value is unknown or invalid; the message names the parameter."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"parameter '{name}': {message}")
+        self.name = name
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    ok: Callable[[Any], bool]
+    doc: str  # shown in errors and in the table's "Allowed" column
+
+
+def at_least(lo: float) -> Check:
+    return Check(lambda v: v >= lo, f">= {lo}")
+
+
+def above(lo: float) -> Check:
+    return Check(lambda v: v > lo, f"> {lo}")
+
+
+def in_half_open(lo: float, hi: float) -> Check:
+    return Check(lambda v: lo < v <= hi, f"in ({lo}, {hi}]")
+
+
+def one_of(*choices: str) -> Check:
+    return Check(lambda v: v in choices, " / ".join(choices))
+
+
+NON_EMPTY = Check(lambda v: v != "", "non-empty")
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip(), 10)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text.strip())
+    if not math.isfinite(value):
+        raise ValueError("not finite")
+    return value
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not a boolean")
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {"int": _parse_int, "float": _parse_float, "bool": _parse_bool, "str": str}
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    name: str
+    type: str  # "int", "float", "bool" or "str"; a trailing "?" lets "" mean None ("use the built-in choice")
+    default: str
+    target: str  # "engine.<EngineConfig field>", "sampling.<SamplingParams field>" or "model.<ModelSettings field>"
+    doc: str
+    check: Check | None = None
+
+    @property
+    def scope(self) -> str:
+        return self.target.split(".", 1)[0]
+
+    @property
+    def field(self) -> str:
+        return self.target.split(".", 1)[1]
+
+    def parse(self, text: str) -> Any:
+        if not isinstance(text, str):
+            raise ParamError(self.name, f"must be a string, got {type(text).__name__}")
+        base = self.type.rstrip("?")
+        if self.type.endswith("?") and text.strip() == "":
+            return None
+        try:
+            value = _PARSERS[base](text)
+        except ValueError:
+            raise ParamError(self.name, f"must be {'an' if base == 'int' else 'a'} {base}, got {text!r}") from None
+        if self.check is not None and not self.check.ok(value):
+            raise ParamError(self.name, f"must be {self.check.doc}, got {text!r}")
+        return value
+
+
+PARAMS: tuple[Param, ...] = (
+    # Engine (EngineConfig fields).
+    Param("fragment_dir", "str", "fragments", "engine.fragment_dir",
+          "Folder with the layer fragments and manifest.json; a relative path is relative to the model version folder.",
+          NON_EMPTY),
+    Param("block_size", "int", "16", "engine.block_size", "Tokens per KV-cache block.", at_least(1)),
+    Param("max_batch_size", "int", "32", "engine.max_batch_size",
+          "Most requests in the running batch (the engine batches; Triton's own max_batch_size stays 0).", at_least(1)),
+    Param("max_num_tokens", "int", "512", "engine.max_num_tokens",
+          "Most prompt tokens prefilled per iteration (chunked prefill).", at_least(1)),
+    Param("max_tokens_in_paged_kv_cache", "int", "16384", "engine.max_tokens_in_paged_kv_cache",
+          "KV pool size in tokens with every layer at full precision (as in the TensorRT-LLM backend).", at_least(1)),
+    Param("max_queue_size", "int", "256", "engine.max_queue_size",
+          "Most waiting requests; beyond it a new request gets UNAVAILABLE at once.", at_least(1)),
+    Param("max_model_len", "int?", "", "engine.max_model_len",
+          "Longest prompt plus output in tokens; empty: the model's context length.", at_least(1)),
+    Param("num_threads", "int?", "", "engine.num_threads", "torch intra-op threads; empty: torch's default.",
+          at_least(1)),
+    Param("device", "str", "cpu", "engine.device", "Device the engine runs on.", one_of("cpu", "cuda")),
+    # Defaults for requests that omit a sampling input.
+    Param("default_max_tokens", "int", "64", "sampling.max_tokens", "max_tokens when a request has none.",
+          at_least(1)),
+    Param("default_temperature", "float", "0.0", "sampling.temperature",
+          "temperature when a request has none (0 = greedy).", at_least(0.0)),
+    Param("default_top_k", "int", "0", "sampling.top_k", "top_k when a request has none (0 = no cut).", at_least(0)),
+    Param("default_top_p", "float", "1.0", "sampling.top_p", "top_p when a request has none.", in_half_open(0.0, 1.0)),
+    # The Triton glue itself.
+    Param("drain_timeout_s", "float", "5.0", "model.drain_timeout_s",
+          "On unload/SIGTERM: seconds running requests may finish before the rest are aborted.", at_least(0.0)),
+    Param("metrics_interval_s", "float", "0.5", "model.metrics_interval_s",
+          "Seconds between updates of the gauge metrics from the engine.", above(0.0)),
+    Param("cancel_poll_interval_s", "float", "0.05", "model.cancel_poll_interval_s",
+          "Seconds between checks for cancelled requests (client gone, stream closed).", above(0.0)),
+)
+
+BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
+
+
+@dataclass(slots=True)
+class ModelSettings:
+    """Settings of the Triton glue (defaults live in PARAMS only)."""
+
+    drain_timeout_s: float
+    metrics_interval_s: float
+    cancel_poll_interval_s: float
+
+
+@dataclass(slots=True)
+class ParsedParams:
+    engine: dict[str, Any]  # EngineConfig keyword arguments
+    sampling: dict[str, Any]  # SamplingParams defaults for inputs a request omits
+    model: ModelSettings
+
+
+def parse_params(raw: Mapping[str, str], base_dir: str | None = None) -> ParsedParams:
+    """Parse and check every parameter; missing ones take their default. Unknown names are errors
+    (a typo would otherwise be silently ignored)."""
+    for name in raw:
+        if name not in BY_NAME:
+            raise ParamError(name, f"unknown parameter (known: {', '.join(sorted(BY_NAME))})")
+    scopes: dict[str, dict[str, Any]] = {"engine": {}, "sampling": {}, "model": {}}
+    for p in PARAMS:
+        scopes[p.scope][p.field] = p.parse(raw.get(p.name, p.default))
+    frag = scopes["engine"].get("fragment_dir")
+    if base_dir is not None and frag and not os.path.isabs(frag):
+        scopes["engine"]["fragment_dir"] = os.path.normpath(os.path.join(base_dir, frag))
+    return ParsedParams(engine=scopes["engine"], sampling=scopes["sampling"], model=ModelSettings(**scopes["model"]))
+
+
+def parse_assignment(text: str) -> tuple[str, str]:
+    """`NAME=VALUE` (the launcher's --param) -> (name, value); the value may be empty."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise ParamError(name or text, "expected NAME=VALUE")
+    return name.strip(), value
+
+
+def engine_config(parsed: ParsedParams):
+    """Build the EngineConfig; its own cross-field checks are re-raised naming the parameter(s)."""
+    from .config import EngineConfig  # NOTE: imported late so the launcher can validate without the engine
+
+    try:
+        return EngineConfig(**parsed.engine)
+    except (ValueError, TypeError) as exc:
+        named = [p.name for p in PARAMS if p.scope == "engine" and p.field in str(exc)]
+        raise ParamError(", ".join(named) or "engine", str(exc)) from exc
+
+
+def config_field_names() -> set[str]:
+    from .config import EngineConfig
+
+    return {f.name for f in fields(EngineConfig)}
+
+
+def markdown_table() -> str:
+    rows = ["| Parameter | Type | Default | Allowed | Description |", "|---|---|---|---|---|"]
+    for p in PARAMS:
+        typ = p.type.rstrip("?") + (" or empty" if p.type.endswith("?") else "")
+        default = f"`{p.default}`" if p.default else "(empty)"
+        rows.append(f"| `{p.name}` | {typ} | {default} | {p.check.doc if p.check else ''} | {p.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
