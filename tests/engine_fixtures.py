@@ -1,0 +1,62 @@
+"""Shared helpers for engine tests: the real fragment set, lone/batched greedy runs, the near-tie rule."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engines.build_fragments import default_fragment_dir, fragments_ok
+from trtllm_backend.config import EngineConfig
+from trtllm_backend.engine import LLMEngine
+from trtllm_backend.sampling import SamplingParams
+
+NEAR_TIE = 1e-3
+
+PROMPTS = [
+    "The capital of France is",
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The three primary colors are red, yellow and",
+    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed to unite some of the best blessings of existence; and had lived nearly twenty-one years in the world",
+    "Water boils at a temperature of",
+    "List of fruits: apple, banana,",
+]
+
+
+def fragment_dir() -> Path:
+    d = default_fragment_dir()
+    assert fragments_ok(d), f"fragments missing in {d}: run `make setup` (tools/setup.sh) first"
+    return d
+
+
+def make_engine(**overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(fragment_dir=str(fragment_dir()), **overrides))
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def run_greedy(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """All prompts submitted together (one batch); returns tokens and top-2 gaps per request id."""
+    tokens: dict[str, list[int]] = {}
+    gaps: dict[str, list[float]] = {}
+    engine.on_logits = lambda rid, row: gaps.setdefault(rid, []).append(top2_gap(row))
+    for i, p in enumerate(prompts):
+        rid = f"p{i}"
+        tokens[rid] = []
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), lambda o, rid=rid: tokens[rid].extend(o.token_ids), request_id=rid)
+    engine.run_until_idle()
+    engine.on_logits = None
+    return tokens, gaps
+
+
+def assert_same_up_to_near_tie(lone: list[int], lone_gaps: list[float], other: list[int]) -> None:
+    """Equal, or the first difference comes at/after a position where the lone run's top-2 were a near tie."""
+    assert len(lone) == len(other)
+    for i, (a, b) in enumerate(zip(lone, other)):
+        if a != b:
+            assert min(lone_gaps[: i + 1]) < NEAR_TIE, f"diverged at {i} without a near tie (gaps {lone_gaps[: i + 1]})"
+            return

@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from trtllm_backend.kv_cache import KVPool
+from trtllm_backend.manifest import ModelConfig
+
+TINY = ModelConfig(
+    hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+    rope_theta=10000.0, vocab_size=32, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=None, eos_token_id=1,
+)
+
+
+def pool(blocks=11, bs=4) -> KVPool:
+    p = KVPool(TINY, bs, torch.float32)
+    p.add_segment(blocks)
+    return p
+
+
+def test_allocate_is_all_or_nothing_and_reports_usage():
+    p = pool()
+    a = p.allocate(8)
+    assert a == list(range(8)) and p.num_used == 8 and p.num_free == 3
+    assert p.allocate(4) is None and p.num_free == 3
+    p.free(a[:2])
+    assert p.num_free == 5 and p.num_used == 6
+
+
+def test_block_bytes_cover_all_layers():
+    p = pool(blocks=3, bs=4)
+    assert p.bytes_per_block == 2 * 2 * 1 * 4 * 4 * 4  # k|v x layers x kv_heads x head_dim x block x fp32
+    assert p.nbytes == 3 * p.bytes_per_block
+    assert p.blocks_for_bytes(p.bytes_per_block * 2 + 1) == 2
+
+
+def test_segments_have_global_stable_ids_and_drain():
+    p = pool(blocks=2)
+    s2 = p.add_segment(3)
+    assert s2.base == 2 and p.num_blocks == 5
+    got = p.allocate(4)
+    assert sorted(got) == [0, 1, 2, 3]
+    s2.draining = True
+    assert p.num_allocatable == 0 and p.allocate(1) is None
+    with pytest.raises(RuntimeError, match="live blocks"):
+        p.release_segment(s2)
+    p.free([2, 3])
+    p.release_segment(s2)
+    assert p.num_blocks == 2
+    s3 = p.add_segment(1)
+    assert s3.base == 5  # ids are never reused while anything could still refer to them
+
+
+def test_copy_block_moves_all_layers_across_segments():
+    p = pool(blocks=2, bs=2)
+    s2 = p.add_segment(2)
+    s2.kv[:, :, 0:2].fill_(7.0)  # block 2 (first of the second segment)
+    p.copy_block(2, 1)
+    assert torch.all(p.segments[0].kv[:, :, 2:4] == 7.0)
+    assert torch.all(p.segments[0].kv[:, :, 0:2] == 0.0)

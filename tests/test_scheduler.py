@@ -1,0 +1,82 @@
+from test_kv_cache import pool
+
+from trtllm_backend.outputs import RequestTimings
+from trtllm_backend.request import Request, Status
+from trtllm_backend.sampling import SamplingParams
+from trtllm_backend.scheduler import Scheduler
+
+
+def req(rid: str, n_prompt: int) -> Request:
+    return Request(rid, list(range(n_prompt)), SamplingParams(max_tokens=50), RequestTimings(arrival=0.0))
+
+
+def advance(sched_out):
+    """What the engine does after a forward: computed tokens move on, finished prefills sample one token."""
+    for r, n in sched_out.scheduled:
+        r.num_computed += n
+        if r.num_computed == r.num_tokens:
+            r.token_ids.append(0)
+
+
+def test_requests_join_and_leave_every_iteration():
+    s = Scheduler(pool(blocks=11, bs=4), max_batch_size=8, max_num_tokens=64)
+    a = req("a", 5)
+    s.add(a)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5)]
+    advance(out)
+    b = req("b", 3)
+    s.add(b)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 3)]  # decode and prefill together
+    advance(out)
+    s.finish(a)
+    assert a.status == Status.FINISHED and a.block_table == []
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 1)]
+
+
+def test_chunked_prefill_respects_token_budget():
+    s = Scheduler(pool(blocks=11, bs=4), max_batch_size=8, max_num_tokens=8)
+    a = req("a", 20)
+    s.add(a)
+    chunks = []
+    for _ in range(3):
+        out = s.schedule()
+        chunks.append(out.scheduled[0][1])
+        advance(out)
+    assert chunks == [8, 8, 4]
+    assert len(a.block_table) == 5
+
+
+def test_admission_waits_for_blocks():
+    p = pool(blocks=4, bs=4)
+    s = Scheduler(p, max_batch_size=8, max_num_tokens=64)
+    s.add(req("a", 12))  # 3 blocks
+    s.add(req("b", 8))  # 2 blocks: does not fit
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["a"] and out.admission_blocked
+    assert [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_decode_without_blocks_preempts_newest_and_requeues_it_first():
+    p = pool(blocks=4, bs=4)
+    s = Scheduler(p, max_batch_size=8, max_num_tokens=64)
+    a, b = req("a", 8), req("b", 8)  # 2 blocks each: pool full after prefill
+    s.add(a)
+    s.add(b)
+    advance(s.schedule())
+    assert p.num_free == 0
+    out = s.schedule()  # a's 9th token needs a third block: b (newest) is preempted
+    assert out.preempted == [b] and [r.request_id for r, _ in out.scheduled] == ["a"]
+    assert b.status == Status.WAITING and b.num_computed == 0 and b.block_table == [] and s.waiting[0] is b
+    assert s.num_preemptions == 1 and b.preemptions == 1
+    assert b.num_tokens == 9  # its sampled token is kept and recomputed with the prompt
+
+
+def test_max_batch_size_caps_running():
+    s = Scheduler(pool(blocks=11, bs=4), max_batch_size=2, max_num_tokens=64)
+    for i in range(3):
+        s.add(req(f"r{i}", 2))
+    out = s.schedule()
+    assert len(out.scheduled) == 2 and len(s.waiting) == 1
