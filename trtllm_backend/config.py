@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class EngineConfig:
     num_threads: int | None = None  # default: all cores
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU (measured fastest here), fp16 on CUDA
+    morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
+    memory_budget_bytes: int | None = None  # default: full-precision model + base KV pool + one staging fragment
+    morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
 
     def __post_init__(self):
         for name in ("block_size", "max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache", "max_queue_size"):
@@ -34,6 +37,8 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.max_tokens_in_paged_kv_cache < self.block_size:
             raise ValueError("max_tokens_in_paged_kv_cache must hold at least one block")
+        if self.memory_budget_bytes is not None:
+            _positive("memory_budget_bytes", self.memory_budget_bytes)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

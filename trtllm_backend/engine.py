@@ -9,6 +9,8 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
@@ -16,11 +18,13 @@ import torch
 from plugins.paged_attention import AttentionPlan, SeqSlice
 
 from .config import EngineConfig
+from .controller import parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
 from .kv_cache import KVPool
 from .manifest import FULL, Manifest
 from .model import LlamaModel
+from .morph import MorphManager
 from .outputs import EngineStats, RequestOutput, RequestTimings
 from .request import Request
 from .sampling import SamplingParams, sample
@@ -45,6 +49,8 @@ class LLMEngine:
         self.pool = KVPool(mc, config.block_size, config.torch_dtype, config.device)
         self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
+        self.last_schedule = None
+        self._ttfts: deque[float] = deque(maxlen=32)  # recent time-to-first-token, for the controller
         self.streams: dict[str, OutputStream] = {}
         self.requests: dict[str, Request] = {}
         self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
@@ -59,6 +65,9 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
+        policy = parse_policy(config.morph_policy, mc.num_layers, config.morph_overrides)
+        self.morph = MorphManager(self, policy, config.memory_budget_bytes)
+        self.iteration_hooks.append(self.morph.on_iteration)
         self._publish_stats()
 
     # ---- public API (any thread) -----------------------------------------------------------------
@@ -82,7 +91,13 @@ class LLMEngine:
         return True
 
     def stats(self) -> EngineStats:
-        return self._stats
+        """The latest snapshot; swap timings are handed out once (drained by this call)."""
+        snap = replace(self._stats)
+        snap.swap_timings = self.morph.drain_timings()
+        return snap
+
+    def recent_ttft(self) -> float:
+        return sorted(self._ttfts)[len(self._ttfts) // 2] if self._ttfts else 0.0
 
     def start(self) -> None:
         if self._thread is None:
@@ -103,6 +118,7 @@ class LLMEngine:
         self._drain_inbox()
         for rid in list(self.requests):
             self._finish(self.requests[rid], "abort")
+        self.morph.shutdown()
 
     def generate(self, prompt: str, params: SamplingParams) -> Iterator[RequestOutput]:
         """In-process streaming: yields each output piece; runs the engine loop on a thread if needed."""
@@ -216,6 +232,7 @@ class LLMEngine:
                 self.counters.generation_tokens += 1
                 if req.timings.first_token is None:
                     req.timings.first_token = now
+                    self._ttfts.append(now - req.timings.arrival)
                 reason = self.streams[req.request_id].add_token(tok, int4)
                 if reason:
                     self._finish(req, reason)
@@ -260,6 +277,6 @@ class LLMEngine:
             kv_grows=c.kv_grows,
             kv_shrinks=c.kv_shrinks,
             swap_failures=c.swap_failures,
-            memory_budget_bytes=c.memory_budget_bytes,
-            memory_used_bytes=self.model.weights_nbytes + p.nbytes,
+            memory_budget_bytes=self.morph.account.budget,
+            memory_used_bytes=self.morph.account.used,
         )

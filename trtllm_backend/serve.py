@@ -89,11 +89,11 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 # --- config.pbtxt parameters ------------------------------------------------------------------------------
 _PARAM_RE = re.compile(
-    r'parameters\s*:?\s*\{\s*key\s*:\s*"(?P<key>[^"]+)"\s*value\s*:?\s*\{\s*string_value\s*:\s*"(?P<value>[^"]*)"\s*\}\s*\}')
+    r'parameters\s*:?\s*\{\s*key\s*:\s*"(?P<key>[^"]+)"\s*value\s*:?\s*\{\s*string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}')
 
 
 def read_parameters(pbtxt: str) -> dict[str, str]:
-    return {m["key"]: m["value"] for m in _PARAM_RE.finditer(pbtxt)}
+    return {m["key"]: _unescape(m["value"]) for m in _PARAM_RE.finditer(pbtxt)}
 
 
 def set_parameters(pbtxt: str, updates: dict[str, str]) -> str:
@@ -116,6 +116,10 @@ def set_parameters(pbtxt: str, updates: dict[str, str]) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\(.)", r"\1", value)
 
 
 def apply_overrides(repo: Path, model: str, overrides: dict[str, str], dest: Path) -> Path:
@@ -162,6 +166,7 @@ class ServerHandle:
     model: str
     shm_prefix: str  # the Python backend's shared-memory regions are /dev/shm/<shm_prefix>*
     log_path: Path | None = None
+    repo_copy: Path | None = None  # the edited copy of the repository (--param), removed on stop
     _log_file: object = field(default=None, repr=False)
 
     @property
@@ -192,6 +197,8 @@ class ServerHandle:
             self._log_file.close()
             self._log_file = None
         self.clean_shm()
+        if self.repo_copy is not None:
+            shutil.rmtree(self.repo_copy, ignore_errors=True)
         return self.process.returncode
 
     def clean_shm(self) -> list[Path]:
@@ -217,17 +224,21 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
            grpc_port: int = 8001, metrics_port: int = 8002, params: dict[str, str] | None = None,
            backend_dir: str | Path = "build/backends", build_dir: str | Path = "build",
            build_fragments: bool = True, log_path: str | Path | None = None, ready_timeout: float = 300.0,
-           exit_timeout_s: int = 30, extra_args: list[str] | None = None) -> ServerHandle:
-    """Start tritonserver and return once /v2/health/ready answers 200 (every model loaded)."""
+           exit_timeout_s: int = 30, extra_args: list[str] | None = None, check_params: bool = True) -> ServerHandle:
+    """Start tritonserver and return once /v2/health/ready answers 200 (every model loaded).
+    check_params=False skips the launcher's own check, so the model's load-time check is what refuses."""
     repo = _rooted(model_repository).resolve()
     if not (repo / model / "config.pbtxt").exists():
         raise FileNotFoundError(f"{repo / model / 'config.pbtxt'} not found")
     overrides = dict(params or {})
-    parsed = model_parameters(repo, model, overrides)  # fails here, before any server starts
-    if build_fragments:
-        ensure_fragments(parsed)
+    if check_params:
+        parsed = model_parameters(repo, model, overrides)  # fails here, before any server starts
+        if build_fragments:
+            ensure_fragments(parsed)
+    repo_copy = None
     if overrides:
-        repo = apply_overrides(repo, model, overrides, _rooted(build_dir) / f"model_repository.{os.getpid()}")
+        repo = repo_copy = apply_overrides(repo, model, overrides,
+                                           _rooted(build_dir) / f"model_repository.{uuid.uuid4().hex[:8]}")
     install = find_triton()
     backends = prepare_backend_dir(install, _rooted(backend_dir))
     # NOTE: a prefix of our own, so cleaning leaked regions never touches another server's.
@@ -240,7 +251,7 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
     process = subprocess.Popen(cmd, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=True)
     handle = ServerHandle(process, http_port, grpc_port, metrics_port, model, shm_prefix,
-                          Path(log_path) if log_path else None, log_file)
+                          Path(log_path) if log_path else None, repo_copy, log_file)
     try:
         _wait_ready(handle, ready_timeout)
     except BaseException:

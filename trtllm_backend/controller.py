@@ -1,0 +1,181 @@
+"""When to morph: policies and the controller that turns per-iteration signals into actions.
+
+Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
+and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the last
+action) before a restore. Restores undo the most recent swap first.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields, replace
+
+INT4 = "int4"
+
+
+@dataclass(slots=True)
+class MorphPolicy:
+    name: str = "balanced"
+    dynamic: bool = True
+    static_int4_layers: int = 0  # static policies: layers quantized at load and kept so
+    layers_per_action: int = 2
+    max_int4_layers: int = 20
+    down_kv_usage: float = 0.90  # KV usage that, with requests waiting, counts as pressure
+    down_queue_wait_s: float = 0.5  # head-of-queue wait that counts as pressure
+    down_persist: int = 2  # consecutive pressured iterations before swapping down
+    up_kv_usage: float = 0.50  # restore only if usage stays below this after the shrink
+    up_quiet_s: float = 2.0  # seconds without pressure before restoring
+
+    TUNABLE = ("layers_per_action", "max_int4_layers", "down_kv_usage", "down_queue_wait_s", "down_persist", "up_kv_usage", "up_quiet_s")
+
+    def validate(self, num_layers: int) -> None:
+        def bad(name, why):
+            raise ValueError(f"morph_{name}: {why}" if name != "policy" else f"morph_policy: {why}")
+
+        if not 0 <= self.static_int4_layers <= num_layers:
+            bad("policy", f"int4:N needs 0 <= N <= {num_layers}, got {self.static_int4_layers}")
+        if self.layers_per_action < 1:
+            bad("layers_per_action", "must be >= 1")
+        if not 0 <= self.max_int4_layers <= num_layers:
+            bad("max_int4_layers", f"must be in [0, {num_layers}]")
+        for name in ("down_kv_usage", "up_kv_usage"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                bad(name, "must be in (0, 1]")
+        if self.up_kv_usage >= self.down_kv_usage:
+            bad("up_kv_usage", "must be below morph_down_kv_usage (hysteresis)")
+        if self.down_persist < 1:
+            bad("down_persist", "must be >= 1")
+        if self.down_queue_wait_s < 0 or self.up_quiet_s < 0:
+            bad("up_quiet_s" if self.up_quiet_s < 0 else "down_queue_wait_s", "must be >= 0")
+
+
+def _modes(num_layers: int) -> dict[str, MorphPolicy]:
+    return {
+        # accuracy: few layers, late and slowly; performance: many layers, early and fast.
+        "accuracy": MorphPolicy("accuracy", layers_per_action=1, max_int4_layers=num_layers // 3, down_persist=4,
+                                down_queue_wait_s=1.0, up_quiet_s=1.0),
+        "balanced": MorphPolicy("balanced", layers_per_action=2, max_int4_layers=(2 * num_layers) // 3),
+        "performance": MorphPolicy("performance", layers_per_action=4, max_int4_layers=num_layers, down_persist=1,
+                                   down_queue_wait_s=0.2, up_quiet_s=4.0),
+    }
+
+
+def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> MorphPolicy:
+    """`accuracy|balanced|performance|full|int4|int4:N` plus optional threshold overrides."""
+    spec = (spec or "").strip().lower()
+    modes = _modes(num_layers)
+    if spec in modes:
+        policy = modes[spec]
+    elif spec == "full":
+        policy = MorphPolicy("full", dynamic=False, max_int4_layers=0)
+    elif spec == "int4":
+        policy = MorphPolicy("int4", dynamic=False, static_int4_layers=num_layers, max_int4_layers=num_layers)
+    elif spec.startswith("int4:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"morph_policy: int4:N needs an integer N, got {spec!r}") from None
+        policy = MorphPolicy(spec, dynamic=False, static_int4_layers=n, max_int4_layers=max(0, min(n, num_layers)))
+    else:
+        raise ValueError(f"morph_policy: unknown policy {spec!r} (accuracy, balanced, performance, full, int4, int4:N)")
+    if overrides:
+        known = {f.name: f.type for f in fields(MorphPolicy)}
+        for key, value in overrides.items():
+            if key not in MorphPolicy.TUNABLE:
+                raise ValueError(f"morph_{key}: unknown morph threshold (known: {', '.join(MorphPolicy.TUNABLE)})")
+            cast = int if known[key] in ("int", int) else float
+            try:
+                policy = replace(policy, **{key: cast(value)})
+            except (TypeError, ValueError):
+                raise ValueError(f"morph_{key}: expected {cast.__name__}, got {value!r}") from None
+    policy.validate(num_layers)
+    return policy
+
+
+@dataclass(slots=True)
+class Signals:
+    now: float
+    waiting: int
+    head_wait_s: float
+    kv_usage: float
+    admission_blocked: bool
+    new_preemptions: int
+    head_blocks_short: int  # blocks the head of the queue lacks (0 if none waits)
+    blocks_per_layer: int  # KV blocks one swapped layer buys
+    int4_layers: int
+    usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
+    recent_ttft_s: float = 0.0
+    recent_tpot_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Action:
+    kind: str  # "down" or "up"
+    layers: int
+    reason: str
+
+
+@dataclass
+class Controller:
+    policy: MorphPolicy
+    pressure_streak: int = 0
+    last_pressure: float = field(default=-math.inf)
+    last_action: float = field(default=-math.inf)
+    forced: dict[int, Action] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.forced = parse_forced(os.environ.get("MORPHSERVE_FORCE_MORPH", ""))
+
+    def decide(self, s: Signals, iteration: int) -> Action | None:
+        if iteration in self.forced:
+            return self.forced.pop(iteration)
+        if not self.policy.dynamic:
+            return None
+        p = self.policy
+        why = []
+        if s.waiting and s.admission_blocked:
+            why.append(f"admission blocked, {s.waiting} waiting")
+        if s.waiting and s.head_wait_s >= p.down_queue_wait_s:
+            why.append(f"head of queue waited {s.head_wait_s:.2f}s")
+        if s.new_preemptions:
+            why.append(f"{s.new_preemptions} preemption(s)")
+        if s.waiting and s.kv_usage >= p.down_kv_usage:
+            why.append(f"KV usage {s.kv_usage:.0%}")
+        if why:
+            self.pressure_streak += 1
+            self.last_pressure = s.now
+        else:
+            self.pressure_streak = 0
+        if why and self.pressure_streak >= p.down_persist and s.int4_layers < p.max_int4_layers:
+            # Enough layers to admit the head of the queue, at least the policy's step.
+            need = math.ceil(s.head_blocks_short / s.blocks_per_layer) if s.blocks_per_layer else 0
+            k = min(max(p.layers_per_action, need), p.max_int4_layers - s.int4_layers)
+            self.pressure_streak = 0
+            self.last_action = s.now
+            return Action("down", k, "; ".join(why))
+        quiet = s.now - max(self.last_pressure, self.last_action)
+        if (
+            not why
+            and s.int4_layers > 0
+            and s.waiting == 0
+            and quiet >= p.up_quiet_s
+            and s.usage_after_shrink <= p.up_kv_usage
+        ):
+            self.last_action = s.now
+            return Action("up", min(p.layers_per_action, s.int4_layers), f"quiet {quiet:.1f}s, KV usage after shrink {s.usage_after_shrink:.0%}")
+        return None
+
+
+def parse_forced(spec: str) -> dict[int, Action]:
+    """MORPHSERVE_FORCE_MORPH="down:2@5,up:2@40": forced actions at given engine iterations (tests)."""
+    out: dict[int, Action] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            what, at = part.split("@")
+            kind, _, n = what.partition(":")
+            if kind not in ("down", "up"):
+                raise ValueError
+            out[int(at)] = Action(kind, int(n or 1), f"forced by MORPHSERVE_FORCE_MORPH at iteration {at}")
+        except ValueError:
+            raise ValueError(f"MORPHSERVE_FORCE_MORPH: cannot parse {part!r} (expected down:K@ITER or up:K@ITER)") from None
+    return out
