@@ -1,0 +1,89 @@
+"""The controller on synthetic signal traces: bursts swap quickly, quiet restores, steady load never flaps."""
+import pytest
+
+from trtllm_backend.controller import Controller, Signals, parse_forced, parse_policy
+
+
+def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=0.0):
+    return Signals(now=t, waiting=waiting, head_wait_s=head_wait, kv_usage=usage, admission_blocked=blocked,
+                   new_preemptions=preempt, head_blocks_short=40 if blocked else 0, blocks_per_layer=16,
+                   int4_layers=int4, usage_after_shrink=after)
+
+
+def run(controller, trace):
+    """trace: list of signal kwargs, one per 50 ms iteration; applies actions to int4 like the manager."""
+    int4, actions = 0, []
+    for i, kw in enumerate(trace):
+        a = controller.decide(signals(i * 0.05, int4=int4, **kw), i)
+        if a:
+            int4 += a.layers if a.kind == "down" else -a.layers
+            actions.append((i, a.kind, a.layers))
+    return int4, actions
+
+
+def test_burst_swaps_within_a_few_iterations_enough_for_the_head():
+    c = Controller(parse_policy("balanced", 30))
+    int4, actions = run(c, [dict()] * 5 + [dict(waiting=8, blocked=True, usage=0.97)] * 4)
+    first = actions[0]
+    assert first[1] == "down" and first[0] <= 5 + 2
+    assert first[2] == 3  # ceil(40 short blocks / 16 per layer) beats the policy's step of 2
+
+
+def test_quiet_period_restores_everything_last_in_first_out():
+    c = Controller(parse_policy("balanced", 30))
+    burst = [dict(waiting=8, blocked=True, usage=0.97)] * 6
+    quiet = [dict(usage=0.1, after=0.15)] * 400  # 20 s
+    int4, actions = run(c, burst + quiet)
+    assert int4 == 0 and actions[-1][1] == "up"
+    first_up = next(i for i, k, _ in actions if k == "up")
+    assert (first_up - (len(burst) - 1)) * 0.05 >= c.policy.up_quiet_s - 1e-9  # quiet counted from the last pressure
+
+
+def test_steady_load_near_the_threshold_does_not_oscillate():
+    c = Controller(parse_policy("balanced", 30))
+    # Usage hovers around the down threshold with nobody waiting: never pressure, never a restore either
+    # because the KV left after a shrink would be above up_kv_usage.
+    trace = [dict(usage=0.88 + 0.04 * (i % 2), after=0.95) for i in range(400)]
+    int4, actions = run(c, [dict(waiting=8, blocked=True, usage=0.97)] * 3 + trace)
+    kinds = [k for _, k, _ in actions]
+    assert kinds.count("up") == 0 and kinds.count("down") == 1
+
+
+def test_alternating_pressure_below_persistence_does_nothing():
+    c = Controller(parse_policy("accuracy", 30))  # needs 4 consecutive pressured iterations
+    trace = [dict(waiting=2, blocked=True) if i % 2 else dict() for i in range(200)]
+    assert run(c, trace) == (0, [])
+
+
+def test_static_policies_never_act_and_max_is_respected():
+    assert run(Controller(parse_policy("full", 30)), [dict(waiting=9, blocked=True)] * 50) == (0, [])
+    c = Controller(parse_policy("accuracy", 30))
+    int4, _ = run(c, [dict(waiting=9, blocked=True, usage=0.99)] * 400)
+    assert int4 == 10  # a third of the layers
+
+
+@pytest.mark.parametrize("spec, overrides, match", [
+    ("fast", None, "morph_policy"),
+    ("int4:x", None, "morph_policy"),
+    ("int4:31", None, "morph_policy"),
+    ("balanced", {"up_kv_usage": 0.95}, "morph_up_kv_usage"),
+    ("balanced", {"layers_per_action": 0}, "morph_layers_per_action"),
+    ("balanced", {"down_kv_usage": "high"}, "morph_down_kv_usage"),
+    ("balanced", {"nope": 1}, "morph_nope"),
+])
+def test_invalid_policies_are_named(spec, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        parse_policy(spec, 30, overrides)
+
+
+def test_static_specs():
+    assert parse_policy("int4", 30).static_int4_layers == 30
+    assert parse_policy("int4:7", 30).static_int4_layers == 7
+    assert parse_policy("full", 30).static_int4_layers == 0
+
+
+def test_forced_actions_parse():
+    f = parse_forced("down:3@5, up:2@40")
+    assert (f[5].kind, f[5].layers, f[40].kind, f[40].layers) == ("down", 3, "up", 2)
+    with pytest.raises(ValueError, match="MORPHSERVE_FORCE_MORPH"):
+        parse_forced("sideways@3")
