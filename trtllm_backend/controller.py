@@ -127,8 +127,9 @@ class Controller:
         self.forced = parse_forced(os.environ.get("MORPHSERVE_FORCE_MORPH", ""))
 
     def decide(self, s: Signals, iteration: int) -> Action | None:
-        if iteration in self.forced:
-            return self.forced.pop(iteration)
+        due = [i for i in self.forced if i <= iteration]  # a forced action waits out an action in flight
+        if due:
+            return self.forced.pop(min(due))
         if not self.policy.dynamic:
             return None
         p = self.policy
