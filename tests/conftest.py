@@ -1,0 +1,54 @@
+"""Shared fixtures. `triton_server`: one real tritonserver for the whole session (started by the launcher on
+free ports, with a small KV pool and short intervals so the suite stays fast)."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The test server's overrides of config.pbtxt. The queue is large enough for 16 concurrent clients but small
+# enough that a burst of 64 requests overflows it.
+TEST_SERVER_PARAMS = {
+    "max_tokens_in_paged_kv_cache": "2048",
+    "max_batch_size": "16",
+    "max_queue_size": "20",
+    "default_max_tokens": "16",
+    "metrics_interval_s": "0.1",
+    "cancel_poll_interval_s": "0.02",
+    "drain_timeout_s": "2",
+}
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory):
+    from trtllm_backend import serve
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    handle = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
+                          params=TEST_SERVER_PARAMS, backend_dir=ROOT / "build" / "backends",
+                          build_dir=ROOT / "build", log_path=log, ready_timeout=300, exit_timeout_s=10)
+    try:
+        yield handle
+    finally:
+        handle.stop(timeout=20)
+        # NOTE: only this server's regions (its own prefix): another server on the machine may be running.
+        leaked = handle.clean_shm()
+        if leaked:
+            print(f"[conftest] removed leaked shared memory: {[p.name for p in leaked]}")

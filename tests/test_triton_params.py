@@ -1,0 +1,135 @@
+"""The parameter table: parsing, validation messages, the shipped config.pbtxt, the launcher's overrides."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from trtllm_backend import serve, triton_params
+from trtllm_backend.triton_params import BY_NAME, PARAMS, ParamError, parse_assignment, parse_params
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "model_repository" / "smollm2" / "config.pbtxt"
+
+
+def test_defaults_parse_and_fill_every_target():
+    parsed = parse_params({})
+    assert parsed.engine["block_size"] == 16 and parsed.engine["max_model_len"] is None
+    assert parsed.sampling == {"max_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    assert parsed.model.drain_timeout_s == 5.0
+    assert {f.name for f in dataclasses.fields(triton_params.ModelSettings)} == {
+        p.field for p in PARAMS if p.scope == "model"}
+
+
+def test_names_are_unique_and_targets_well_formed():
+    assert len(BY_NAME) == len(PARAMS)
+    assert all(p.scope in ("engine", "sampling", "model") and p.field for p in PARAMS)
+
+
+def test_sampling_targets_are_sampling_params_fields():
+    from trtllm_backend.sampling import SamplingParams
+
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert {p.field for p in PARAMS if p.scope == "sampling"} <= names
+    SamplingParams(**parse_params({}).sampling)  # the defaults are a valid request
+
+
+def test_engine_targets_are_engine_config_fields_with_the_same_defaults():
+    config = pytest.importorskip("trtllm_backend.config")
+    assert {p.field for p in PARAMS if p.scope == "engine"} <= triton_params.config_field_names()
+    defaults = {f.name: f.default for f in dataclasses.fields(config.EngineConfig)}
+    for p in PARAMS:
+        if p.scope == "engine" and p.name != "fragment_dir":  # fragment_dir: the engine has no default
+            assert p.parse(p.default) == defaults[p.field], p.name
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("block_size", "abc", "must be an int"),
+    ("block_size", "0", "must be >= 1"),
+    ("max_tokens_in_paged_kv_cache", "1.5", "must be an int"),
+    ("default_top_p", "0", "in (0.0, 1.0]"),
+    ("default_temperature", "nan", "must be a float"),
+    ("default_temperature", "-0.5", ">= 0.0"),
+    ("device", "tpu", "cpu / cuda"),
+    ("fragment_dir", "", "non-empty"),
+    ("metrics_interval_s", "0", "> 0.0"),
+    ("max_model_len", "0", ">= 1"),
+])
+def test_bad_values_name_the_parameter(name, value, needle):
+    with pytest.raises(ParamError) as info:
+        parse_params({name: value})
+    assert info.value.name == name and f"parameter '{name}'" in str(info.value) and needle in str(info.value)
+
+
+def test_unknown_parameter_is_an_error():
+    with pytest.raises(ParamError, match="'blocksize': unknown parameter"):
+        parse_params({"blocksize": "16"})
+
+
+def test_optional_values_and_whitespace():
+    parsed = parse_params({"max_model_len": "", "num_threads": " 2 "})
+    assert parsed.engine["max_model_len"] is None and parsed.engine["num_threads"] == 2
+
+
+def test_fragment_dir_is_relative_to_the_version_folder():
+    assert parse_params({}, base_dir="/m/smollm2/1").engine["fragment_dir"] == "/m/smollm2/1/fragments"
+    assert parse_params({"fragment_dir": "/abs/frags"}, base_dir="/m/1").engine["fragment_dir"] == "/abs/frags"
+
+
+def test_parse_assignment():
+    assert parse_assignment("block_size=32") == ("block_size", "32")
+    assert parse_assignment("max_model_len=") == ("max_model_len", "")
+    with pytest.raises(ParamError):
+        parse_assignment("block_size")
+
+
+def test_engine_config_errors_name_the_parameter():
+    pytest.importorskip("trtllm_backend.config")
+    parsed = parse_params({})
+    parsed.engine["block_size"] = -3  # bypass the table's check: EngineConfig's own checks must be re-raised
+    with pytest.raises(ParamError, match="block_size"):
+        triton_params.engine_config(parsed)
+
+
+# --- the shipped config.pbtxt and the docs --------------------------------------------------------------------
+def test_shipped_config_lists_every_parameter_at_its_default():
+    values = serve.read_parameters(CONFIG.read_text())
+    assert values == {p.name: p.default for p in PARAMS}
+
+
+def test_docs_table_is_generated_from_the_table():
+    doc = (ROOT / "docs" / "triton.md").read_text()
+    assert triton_params.markdown_table() in doc, "regenerate: python -m trtllm_backend.triton_params"
+
+
+# --- launcher overrides ---------------------------------------------------------------------------------------
+def test_set_parameters_replaces_and_appends():
+    text = 'name: "m"\nparameters: {\n  key: "block_size"\n  value: { string_value: "16" }\n}\n'
+    out = serve.set_parameters(text, {"block_size": "32", "device": 'c"p\\u'})
+    assert serve.read_parameters(out) == {"block_size": "32", "device": 'c"p\\u'}
+    assert out.count("parameters") == 2
+
+
+def test_overrides_are_validated_before_any_server_starts():
+    repo = ROOT / "model_repository"
+    with pytest.raises(ParamError, match="'block_size'"):
+        serve.model_parameters(repo, "smollm2", {"block_size": "zero"})
+    with pytest.raises(ParamError, match="'nope'"):
+        serve.launch(repo, params={"nope": "1"}, build_fragments=False)
+    parsed = serve.model_parameters(repo, "smollm2", {"block_size": "32"})
+    assert parsed.engine["block_size"] == 32
+
+
+def test_apply_overrides_writes_an_edited_copy(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "m" / "1").mkdir(parents=True)
+    (repo / "m" / "1" / "model.py").write_text("# model")
+    (repo / "m" / "config.pbtxt").write_text('parameters: { key: "block_size" value: { string_value: "16" } }\n')
+    (repo / "other").mkdir()
+    dest = serve.apply_overrides(repo, "m", {"block_size": "8", "max_queue_size": "2"}, tmp_path / "copy")
+    assert serve.read_parameters((dest / "m" / "config.pbtxt").read_text()) == {"block_size": "8",
+                                                                                 "max_queue_size": "2"}
+    assert (dest / "m" / "1").is_symlink() and (dest / "m" / "1" / "model.py").read_text() == "# model"
+    assert (dest / "other").is_symlink()
+    assert serve.read_parameters((repo / "m" / "config.pbtxt").read_text()) == {"block_size": "16"}
