@@ -1,6 +1,7 @@
 """Shared helpers for engine tests: the real fragment set, lone/batched greedy runs, the near-tie rule."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -25,7 +26,8 @@ PROMPTS = [
 
 
 def fragment_dir() -> Path:
-    d = default_fragment_dir()
+    """The embedded model's fragments, or another set named by MORPHSERVE_TEST_FRAGMENTS."""
+    d = Path(os.environ.get("MORPHSERVE_TEST_FRAGMENTS") or default_fragment_dir())
     assert fragments_ok(d), f"fragments missing in {d}: run `make setup` (tools/setup.sh) first"
     return d
 

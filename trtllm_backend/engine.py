@@ -25,6 +25,7 @@ from .kv_cache import KVPool
 from .manifest import FULL, Manifest
 from .model import LlamaModel
 from .morph import MorphManager
+from .native_memory import pin_mmap_threshold
 from .outputs import EngineStats, RequestOutput, RequestTimings
 from .request import Request
 from .sampling import SamplingParams, sample
@@ -37,6 +38,7 @@ OnOutput = Callable[[RequestOutput], None]
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        pin_mmap_threshold()
         torch.set_num_threads(config.threads())
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config

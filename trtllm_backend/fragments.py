@@ -2,10 +2,40 @@
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
+import json
+import struct
+from pathlib import Path
 
 from .layers import LayerWeights, dense_layer
 from .manifest import FULL, Manifest
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
+           "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Read a safetensors file straight into owned tensors.
+
+    NOTE: not safetensors' load_file: it mmaps, so weights count in RSS only once touched and stay mapped
+    while any view lives, and load(bytes) holds the file twice. Reading into each tensor's own storage
+    keeps the memory account exact and the load transient-free.
+    """
+    out = {}
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            buf = torch.empty(end - start, dtype=torch.uint8)
+            f.seek(base + start)
+            if f.readinto(memoryview(buf.numpy())) != end - start:
+                raise ValueError(f"{path}: truncated tensor {name}")
+            out[name] = buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
 
 
 class FragmentStore:
@@ -15,13 +45,15 @@ class FragmentStore:
         self.manifest = manifest
         self.dtype = dtype
 
+    def _read(self, entry: dict) -> dict[str, torch.Tensor]:
+        return read_safetensors(self.manifest.verified_path(entry))
+
     def load_shared(self) -> dict[str, torch.Tensor]:
-        path = self.manifest.verified_path(self.manifest.data["shared"])
-        return {k: v.to(self.dtype) for k, v in load_file(path).items()}
+        return {k: v.to(self.dtype) for k, v in self._read(self.manifest.data["shared"]).items()}
 
     def load_layer(self, index: int, precision: str = FULL) -> LayerWeights:
         entry = self.manifest.fragment(index, precision)
-        tensors = load_file(self.manifest.verified_path(entry))
+        tensors = self._read(entry)
         if precision == FULL:
             return dense_layer(tensors, self.dtype)
         from plugins.quant_matmul import load_quantized_layer  # quantized kernels load only when used

@@ -96,13 +96,12 @@ class KVPool:
         return sum(s.nbytes for s in self.segments)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n blocks, all or nothing; draining segments are skipped; earliest segments first."""
-        if n > self.num_allocatable:
+        """n blocks, all or nothing, earliest segments first. Draining segments are the last resort:
+        a restore waits longer rather than a request being preempted."""
+        if n > self.num_free:
             return None
         out: list[int] = []
-        for seg in self.segments:
-            if seg.draining:
-                continue
+        for seg in sorted(self.segments, key=lambda s: s.draining):  # stable: keeps segment order
             while seg.free and len(out) < n:
                 out.append(seg.free.pop())
             if len(out) == n:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
@@ -74,7 +75,8 @@ class Param:
     name: str
     type: str  # "int", "float", "bool" or "str"; a trailing "?" lets "" mean None ("use the built-in choice")
     default: str
-    target: str  # "engine.<EngineConfig field>", "sampling.<SamplingParams field>" or "model.<ModelSettings field>"
+    target: str  # "engine.<EngineConfig field>[.<key of that dict field>]", "sampling.<SamplingParams field>"
+    # or "model.<ModelSettings field>"
     doc: str
     check: Check | None = None
 
@@ -120,6 +122,26 @@ PARAMS: tuple[Param, ...] = (
     Param("num_threads", "int?", "", "engine.num_threads", "torch intra-op threads; empty: torch's default.",
           at_least(1)),
     Param("device", "str", "cpu", "engine.device", "Device the engine runs on.", one_of("cpu", "cuda")),
+    Param("dtype", "str", "auto", "engine.dtype", "Full-precision dtype; auto: float32 on CPU, float16 on CUDA.",
+          one_of("auto", "float32", "bfloat16", "float16")),
+    # Morphing (issue 4). Thresholds left empty keep the policy's own value.
+    Param("morph_policy", "str", "balanced", "engine.morph_policy",
+          "accuracy / balanced / performance (dynamic), or static: full, int4 (every layer), int4:N.",
+          Check(lambda v: re.fullmatch(r"accuracy|balanced|performance|full|int4|int4:\d+", v) is not None,
+                "accuracy / balanced / performance / full / int4 / int4:N")),
+    Param("memory_budget_bytes", "int?", "", "engine.memory_budget_bytes",
+          "Bound on resident weights + KV blocks; empty: full-precision model + base KV pool + one staging fragment.",
+          at_least(1)),
+    *(Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check) for name, kind, doc, check in (
+        ("layers_per_action", "int", "Layers swapped per morph action.", at_least(1)),
+        ("max_int4_layers", "int", "Most layers quantized at once.", at_least(0)),
+        ("down_kv_usage", "float", "KV usage that, with requests waiting, counts as pressure.", in_half_open(0.0, 1.0)),
+        ("down_queue_wait_s", "float", "Head-of-queue wait (s) that counts as pressure.", at_least(0.0)),
+        ("down_persist", "int", "Pressured iterations in a row before swapping down.", at_least(1)),
+        ("up_kv_usage", "float", "Restore only while KV usage stays below this (below morph_down_kv_usage).",
+         in_half_open(0.0, 1.0)),
+        ("up_quiet_s", "float", "Seconds without pressure before restoring a layer.", at_least(0.0)),
+    )),
     # Defaults for requests that omit a sampling input.
     Param("default_max_tokens", "int", "64", "sampling.max_tokens", "max_tokens when a request has none.",
           at_least(1)),
@@ -163,7 +185,12 @@ def parse_params(raw: Mapping[str, str], base_dir: str | None = None) -> ParsedP
             raise ParamError(name, f"unknown parameter (known: {', '.join(sorted(BY_NAME))})")
     scopes: dict[str, dict[str, Any]] = {"engine": {}, "sampling": {}, "model": {}}
     for p in PARAMS:
-        scopes[p.scope][p.field] = p.parse(raw.get(p.name, p.default))
+        value = p.parse(raw.get(p.name, p.default))
+        field, _, key = p.field.partition(".")
+        if not key:
+            scopes[p.scope][field] = value
+        elif value is not None:  # a key of a dict field (morph_overrides): only what is set
+            scopes[p.scope].setdefault(field, {})[key] = value
     frag = scopes["engine"].get("fragment_dir")
     if base_dir is not None and frag and not os.path.isabs(frag):
         scopes["engine"]["fragment_dir"] = os.path.normpath(os.path.join(base_dir, frag))
@@ -185,7 +212,7 @@ def engine_config(parsed: ParsedParams):
     try:
         return EngineConfig(**parsed.engine)
     except (ValueError, TypeError) as exc:
-        named = [p.name for p in PARAMS if p.scope == "engine" and p.field in str(exc)]
+        named = [p.name for p in PARAMS if p.scope == "engine" and p.field.partition(".")[0] in str(exc)]
         raise ParamError(", ".join(named) or "engine", str(exc)) from exc
 
 
