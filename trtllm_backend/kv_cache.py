@@ -53,7 +53,9 @@ class KVPool:
     # ---- segments -----------------------------------------------------------------------------------
     def add_segment(self, num_blocks: int) -> KVSegment:
         c = self.config
-        kv = torch.zeros(
+        # NOTE: empty, not zeros: every slot is written before it is read (paged_attention writes the new
+        # tokens first and gathers only written positions), and untouched pages cost no RSS.
+        kv = torch.empty(
             c.num_layers, 2, num_blocks * self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
         )
         seg = KVSegment(self._next_base, num_blocks, kv)

@@ -1,0 +1,156 @@
+"""Engine benchmark: prefill and decode throughput, the engine's overhead over its matmuls, memory, swaps.
+
+    OMP_WAIT_POLICY=PASSIVE python tools/bench_engine.py [--fragment-dir DIR] [--batches 1 8 16 32]
+
+Prints one table. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per token over
+the measured read bandwidth); beside every batch the time of the same step's matmuls alone (same shapes and
+dtype), so the engine's own overhead shows as a ratio. Numbers are medians of one run on a shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engines.build_fragments import default_fragment_dir  # noqa: E402
+from trtllm_backend.config import EngineConfig  # noqa: E402
+from trtllm_backend.engine import LLMEngine  # noqa: E402
+from trtllm_backend.sampling import SamplingParams  # noqa: E402
+
+
+def median_time(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a streaming read (sum over a buffer far larger than the caches)."""
+    buf = torch.ones(128 << 20)  # 512 MB
+    return buf.numel() * 4 / median_time(buf.sum, 5)
+
+
+def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype) -> float:
+    """The step's matmuls only: every layer's fused qkv, o, gate_up, down, and the LM head, for `batch` rows."""
+    ws = []
+    for s in engine.model.slots:
+        w = s.weights
+        ws += [w.qkv.weight.to(dtype), w.o.weight.to(dtype), w.gate_up.weight.to(dtype), w.down.weight.to(dtype)]
+    head = engine.model.lm_head.to(dtype)
+    xs = {n: torch.randn(batch, n, dtype=dtype) for n in {w.shape[1] for w in ws}}
+
+    def run():
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+        F.linear(xs[head.shape[1]], head)
+
+    with torch.inference_mode():
+        return median_time(run, 7)
+
+
+def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8) -> float:
+    for i in range(batch):
+        engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking", SamplingParams(max_tokens=steps + 8, ignore_eos=True), lambda o: None)
+    engine._drain_inbox()
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
+        engine.step()
+    t = median_time(engine.step, steps, warmup=2)
+    for rid in list(engine.requests):
+        engine._finish(engine.requests[rid], "abort")
+    return t
+
+
+def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
+    ids = engine.tokenizer.encode(text)[:tokens]
+    prompt = engine.tokenizer.decode(ids)
+
+    def once():
+        engine.add_request(prompt, SamplingParams(max_tokens=1), lambda o: None)
+        engine.run_until_idle()
+
+    return len(engine.tokenizer.encode(prompt)) / median_time(once, 3, warmup=1)
+
+
+def swap_latencies(frag_dir: str, layers: int = 4) -> list[tuple[float, float]]:
+    os.environ["MORPHSERVE_FORCE_MORPH"] = f"down:{layers}@0,up:{layers}@1"
+    try:
+        engine = LLMEngine(EngineConfig(fragment_dir=frag_dir, morph_policy="full"))
+    finally:
+        del os.environ["MORPHSERVE_FORCE_MORPH"]
+    if not engine.morph.quantizable:
+        return []
+    m = engine.morph
+    for _ in range(1000):
+        engine.step()
+        if m.job:
+            m.job.future.result()
+        if engine.counters.swaps_up == layers:
+            break
+    return m.drain_timings()
+
+
+def peak_rss() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
+    ap.add_argument("--policy", default="full", help="morph policy of the measured engine (full, int4, int4:N)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=args.policy, max_batch_size=max(args.batches)))
+    dtype = engine.config.torch_dtype
+    print(f"[bench] policy={args.policy} dtype={dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    bw = read_bandwidth()
+    weight_bytes = engine.model.weights_nbytes
+    rows = {"bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "decode": []}
+    rows["prefill_tok_s"] = prefill_rate(engine)
+    print(f"[bench] read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {weight_bytes / 1e6:.0f} MB; prefill {rows['prefill_tok_s']:.0f} tok/s (512-token prompt)")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'matmuls ms':>11} {'step/matmuls':>13} {'floor tok/s':>12}")
+    for b in args.batches:
+        step = decode_step_time(engine, b)
+        mm = matmuls_alone(engine, b, dtype) if args.policy == "full" else float("nan")
+        floor = bw / weight_bytes if b == 1 else None
+        rows["decode"].append({"batch": b, "step_s": step, "tok_s": b / step, "matmuls_s": mm, "floor_tok_s": floor})
+        fl = f"{floor:12.1f}" if floor else f"{'':>12}"
+        print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {fl}")
+    if args.policy == "full":
+        f32, bf16 = matmuls_alone(engine, 1, torch.float32), matmuls_alone(engine, 1, torch.bfloat16)
+        f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32), matmuls_alone(engine, 16, torch.bfloat16)
+        rows["dtype_choice"] = {"fp32_b1": f32, "bf16_b1": bf16, "fp32_b16": f32_16, "bf16_b16": bf16_16}
+        print(f"[bench] dtype check, all matmuls of a step: batch 1 fp32 {f32 * 1e3:.1f} ms vs bf16 {bf16 * 1e3:.1f} ms; batch 16 fp32 {f32_16 * 1e3:.1f} vs bf16 {bf16_16 * 1e3:.1f} ms")
+    del engine
+    swaps = swap_latencies(args.fragment_dir)
+    if swaps:
+        prep = [p for p, _ in swaps]
+        apply = [a for _, a in swaps]
+        b1 = rows["decode"][0]["step_s"]
+        rows["swap"] = {"prepare_s": prep, "apply_s": apply}
+        print(f"[bench] swap per layer: prepare median {statistics.median(prep) * 1e3:.1f} ms (background), apply median "
+              f"{statistics.median(apply) * 1e3:.2f} ms / max {max(apply) * 1e3:.2f} ms (engine thread) vs one batch-{args.batches[0]} decode step {b1 * 1e3:.1f} ms")
+    rows["peak_rss_bytes"] = peak_rss()
+    print(f"[bench] peak RSS {rows['peak_rss_bytes'] / 2**20:.0f} MiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
