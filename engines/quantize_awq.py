@@ -217,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     manifest = Manifest(frag_dir)
     precisions = [INT4] + ([] if args.no_int8 else [INT8])
     hf_dir = _repo_path(args.hf_export) if args.hf_export else frag_dir.parent / "hf_w4a16_awq"
-    if not args.force and fragments_current(manifest, precisions, args.group_size):
+    export_ok = args.no_hf_export or (hf_dir / "hf_quant_config.json").is_file()
+    if not args.force and export_ok and fragments_current(manifest, precisions, args.group_size):
         print(f"[quantize] up to date: {', '.join(precisions)} fragments in {frag_dir}")
         return 0
 
-    torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     model = build_hf_model(manifest)
     tokenizer = Tokenizer.from_file(str(manifest.side_file(manifest.data["tokenizer"]["file"])))

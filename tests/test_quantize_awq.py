@@ -19,8 +19,8 @@ torch.manual_seed(0)
 HID, INTER, NH, NKV, HD, EPS = 576, 1536, 9, 3, 64, 1e-5
 
 
-def cosine(a, b):
-    return F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+def cosine(a, b):  # float64: SmolLM2's massive activations make a fp32 cosine over 3e5 values exceed 1
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
 def dense_layer(full: dict) -> dict:
@@ -153,5 +153,23 @@ def test_int4_layers_track_the_full_layers_on_real_hidden_states(real_set):
             layer = load_quantized_layer(load_file(m.verified_path(m.fragment(i, qa.INT4))), m.fragment(i, qa.INT4))
             ref, out = layer_forward(full, h), layer_forward(layer, h)
             assert cosine(out, ref) > 0.99, f"layer {i}"
-            assert cosine(out - h, ref - h) > 0.9, f"layer {i} (its own contribution)"
+            assert cosine(out - h, ref - h) > 0.98, f"layer {i} (its own contribution)"  # measured >= 0.99
             h = ref
+
+
+@pytest.mark.slow
+def test_hf_export_comes_from_the_same_calibration(real_set):
+    import json
+
+    from safetensors import safe_open
+
+    hf_dir = real_set.dir.parent / "hf_w4a16_awq"
+    quant = json.loads((hf_dir / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "W4A16_AWQ" and quant["group_size"] == GROUP_SIZE
+    exported = safe_open(str(hf_dir / "model.safetensors"), "pt")
+    for i in (0, real_set.num_layers - 1):
+        frag = load_file(real_set.verified_path(real_set.fragment(i, qa.INT4)))
+        p = f"model.layers.{i}."
+        # ModelOpt's export folds the same mean q|k|v scale into the norm and keeps o_proj's pre-quant scale.
+        torch.testing.assert_close(exported.get_tensor(p + "input_layernorm.weight"), frag["input_layernorm.weight"])
+        torch.testing.assert_close(exported.get_tensor(p + "self_attn.o_proj.pre_quant_scale"), frag["o.pre_scale"])
