@@ -1,0 +1,87 @@
+"""The runtime model driven offline with a chosen set of INT4 layers (profiling, quality evaluation).
+
+Uses the same layer slots and paged attention as serving, so what is measured is what is served.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from plugins.paged_attention import AttentionPlan, SeqSlice
+from trtllm_backend.fragments import FragmentStore
+from trtllm_backend.kv_cache import KVPool
+from trtllm_backend.layers import LayerWeights, rms_norm
+from trtllm_backend.manifest import FULL, Manifest
+from trtllm_backend.model import LlamaModel
+
+INT4 = "int4"
+BLOCK = 16
+
+
+class OfflineModel:
+    def __init__(self, fragment_dir: str | Path, max_len: int = 1024):
+        self.manifest = Manifest(fragment_dir)
+        self.store = FragmentStore(self.manifest, torch.float32)
+        self.model = LlamaModel(self.store, max_len)
+        self.config = self.manifest.config
+        self.full: list[LayerWeights] = [s.weights for s in self.model.slots]
+        self.int4: list[LayerWeights] = [self.store.load_layer(i, INT4) for i in range(self.config.num_layers)]
+        self.pool = KVPool(self.config, BLOCK, torch.float32)
+
+    def set_quantized(self, layers) -> None:
+        q = set(layers)
+        for i, slot in enumerate(self.model.slots):
+            slot.bind(self.int4[i] if i in q else self.full[i], INT4 if i in q else FULL)
+
+    def _plan(self, batch: int, length: int) -> AttentionPlan:
+        need = batch * -(-length // BLOCK)
+        if self.pool.num_blocks < need:
+            self.pool = KVPool(self.config, BLOCK, torch.float32)
+            self.pool.add_segment(need)
+        per = need // batch
+        seqs = [SeqSlice(b * length, length, length, list(range(b * per, (b + 1) * per))) for b in range(batch)]
+        return AttentionPlan(self.pool, seqs)
+
+    @torch.inference_mode()
+    def layer_inputs(self, ids: torch.Tensor) -> tuple[list[torch.Tensor], AttentionPlan, tuple]:
+        """Hidden state entering every layer (and the final one) for ids [B, L] under the current binding."""
+        B, L = ids.shape
+        plan = self._plan(B, L)
+        pos = torch.arange(L).repeat(B)
+        cos, sin = self.model.cos[pos][:, None, :], self.model.sin[pos][:, None, :]
+        h = F.embedding(ids.flatten(), self.model.embed)
+        states = [h]
+        for slot in self.model.slots:
+            h = slot.forward(h, cos, sin, plan)
+            states.append(h)
+        return states, plan, (cos, sin)
+
+    @torch.inference_mode()
+    def run_layers(self, h: torch.Tensor, start: int, plan: AttentionPlan, rope: tuple) -> torch.Tensor:
+        for slot in self.model.slots[start:]:
+            h = slot.forward(h, *rope, plan)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(h, self.model.norm, self.config.rms_norm_eps), self.model.lm_head)
+
+    @torch.inference_mode()
+    def nll(self, ids: torch.Tensor) -> tuple[float, int]:
+        """Summed next-token negative log-likelihood and token count for ids [B, L]."""
+        states, _, _ = self.layer_inputs(ids)
+        logits = self.logits(states[-1]).view(ids.shape[0], ids.shape[1], -1)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+        return float(loss), ids[:, 1:].numel()
+
+
+def corpus_tokens(tokenizer, path: Path, start_frac: float, end_frac: float, n: int, length: int) -> torch.Tensor:
+    """n windows of `length` tokens from a slice of a text file (fractions of its characters)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    part = text[int(len(text) * start_frac) : int(len(text) * end_frac)]
+    ids = tokenizer.encode(part[: n * length * 8])
+    if len(ids) < n * length:
+        raise ValueError(f"{path}: not enough text for {n} x {length} tokens")
+    return torch.tensor(ids[: n * length]).view(n, length)
