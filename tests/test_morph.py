@@ -150,6 +150,8 @@ def test_peak_rss_stays_within_budget_plus_fixed_overhead():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(r)
-    slack = 48 << 20  # activations and logits of a step, one fragment being parsed, allocator scratch
+    # Transients the account does not hold: a step's activations and logits, one INT4 fragment unpacked to
+    # int32 while it is packed for the kernel (~14 MB), allocator and thread-pool scratch.
+    slack = 64 << 20
     assert r["swaps"] == 4 and r["restores"] == 4
     assert r["peak"] <= r["fixed"] + r["budget"] + slack, f"peak RSS {r['peak']} > {r['fixed']} + {r['budget']} + slack"

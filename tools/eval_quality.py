@@ -1,0 +1,133 @@
+"""Perplexity versus the number of INT4 layers, for several swap orders (the paper's Table 3/8 for this model).
+
+    python tools/eval_quality.py [--fragment-dir DIR] [--corpus FILE] [--windows 8 --seq-len 256] [--out results/quality]
+
+Held-out text: the last 10% of the corpus (calibration and profiling use the first 80%). Orders:
+front-to-back, back-to-front, random (seeded) and LIS (the profiled swap order in the manifest). Writes
+quality.json (every number, plus the LIS curve for every k so serving reports can weight quality per token),
+quality.md (the table) and quality.png (the plot).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engines.build_fragments import default_fragment_dir  # noqa: E402
+from engines.offline_model import OfflineModel, corpus_tokens  # noqa: E402
+from trtllm_backend.tokenizer import Tokenizer  # noqa: E402
+
+DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "austen_novels.txt"
+COUNTS = (0, 1, 2, 4, 8, 16, 30)
+
+
+def orders(model: OfflineModel, seed: int) -> dict[str, list[int]]:
+    n = model.config.num_layers
+    shuffled = list(range(n))
+    random.Random(seed).shuffle(shuffled)
+    out = {"front-to-back": list(range(n)), "back-to-front": list(range(n - 1, -1, -1)), f"random(seed={seed})": shuffled}
+    if model.manifest.data.get("swap_order_profile"):
+        out["LIS"] = model.manifest.swap_order()
+    return out
+
+
+def perplexity(model: OfflineModel, ids, layers: list[int], batch: int = 4) -> float:
+    model.set_quantized(layers)
+    nll, n = 0.0, 0
+    for i in range(0, ids.shape[0], batch):
+        a, b = model.nll(ids[i : i + batch])
+        nll, n = nll + a, n + b
+    return math.exp(nll / n)
+
+
+def plot(results: dict, full_ppl: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, row in results.items():
+        ks = sorted(int(k) for k in row)
+        ax.plot(ks, [row[str(k)] for k in ks], marker="o", label=name)
+    ax.axhline(full_ppl, color="gray", ls=":", label="full precision")
+    ax.set_xlabel("INT4 layers")
+    ax.set_ylabel("perplexity (held-out Austen)")
+    ax.set_title("SmolLM2-135M: quality vs quantized layers, by swap order")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
+    ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "results" / "quality"))
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
+    ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    n = model.config.num_layers
+    counts = sorted({min(k, n) for k in COUNTS})
+    cache: dict[frozenset, float] = {}
+
+    def ppl(layers):
+        key = frozenset(layers)
+        if key not in cache:
+            cache[key] = perplexity(model, ids, list(layers))
+        return cache[key]
+
+    table = {}
+    for name, order in orders(model, args.seed).items():
+        table[name] = {str(k): ppl(order[:k]) for k in counts}
+        print(f"[quality] {name:>16}: " + "  ".join(f"k={k}:{table[name][str(k)]:.2f}" for k in counts), flush=True)
+    full = table["front-to-back"]["0"]
+    lis_order = model.manifest.swap_order()
+    curve = {str(k): ppl(lis_order[:k]) for k in range(n + 1)}  # every k, the order serving uses
+    took = time.monotonic() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = model.manifest.data.get("swap_order_profile") or {}
+    report = {
+        "model": model.manifest.data.get("model_name"),
+        "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows, "seq_len": args.seq_len,
+                     "tokens": int(ids[:, 1:].numel())},
+        "int4": model.manifest.data.get("quantization", {}).get("int4"),
+        "full_precision_ppl": full,
+        "by_order": table,
+        "serving_order": lis_order,
+        "serving_order_is_profiled": bool(profile),
+        "profile_seconds": profile.get("seconds"),
+        "serving_curve": curve,
+        "seconds": round(took, 1),
+    }
+    (out / "quality.json").write_text(json.dumps(report, indent=1))
+    lines = ["| order | " + " | ".join(f"k={k}" for k in counts) + " |", "|---|" + "---|" * len(counts)]
+    for name, row in table.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row[str(k)]:.2f}" for k in counts) + " |")
+    md = "\n".join(lines)
+    (out / "quality.md").write_text(
+        f"Perplexity on {report['held_out']['tokens']} held-out tokens (last 10% of {Path(args.corpus).name}); "
+        f"k = INT4 layers (AWQ, group {(report['int4'] or {}).get('group_size')}).\n\n{md}\n\n"
+        f"LIS order: {lis_order} (profiling took {profile.get('seconds')} s)\n"
+    )
+    plot(table, full, out / "quality.png")
+    print(md)
+    print(f"[quality] serving order {lis_order}; {took:.0f} s; wrote {out}/quality.{{json,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
