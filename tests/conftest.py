@@ -11,8 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # The test server's overrides of config.pbtxt. The queue is large enough for 16 concurrent clients but small
-# enough that a burst of 64 requests overflows it.
+# enough that a burst of 40 requests overflows it. Morphing is pinned off: these tests compare served greedy
+# output with full-precision offline runs (the morph tests force swaps on purpose elsewhere).
 TEST_SERVER_PARAMS = {
+    "morph_policy": "full",
     "max_tokens_in_paged_kv_cache": "2048",
     "max_batch_size": "16",
     "max_queue_size": "20",

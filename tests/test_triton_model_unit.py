@@ -219,7 +219,7 @@ def model_module(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     engine = FakeEngine()
-    monkeypatch.setattr(module, "create_engine", lambda params: engine)
+    monkeypatch.setattr(module, "create_engine", lambda config: engine)
     module.fake_engine = engine
     return module
 
@@ -269,7 +269,8 @@ def test_initialize_starts_engine_and_threads(model):
 
 
 @pytest.mark.parametrize("name,value", [("block_size", "0"), ("max_queue_size", "many"), ("default_top_p", "2"),
-                                        ("device", "tpu"), ("no_such_param", "1")])
+                                        ("device", "tpu"), ("no_such_param", "1"),
+                                        ("max_tokens_in_paged_kv_cache", "8")])  # EngineConfig's own check
 def test_bad_parameter_fails_load_naming_it(model_module, name, value):
     with pytest.raises(ParamError, match=f"'{name}'"):
         load(model_module, {name: value})

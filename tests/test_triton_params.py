@@ -37,10 +37,10 @@ def test_sampling_targets_are_sampling_params_fields():
 
 def test_engine_targets_are_engine_config_fields_with_the_same_defaults():
     config = pytest.importorskip("trtllm_backend.config")
-    assert {p.field for p in PARAMS if p.scope == "engine"} <= triton_params.config_field_names()
+    assert {p.field.partition(".")[0] for p in PARAMS if p.scope == "engine"} <= triton_params.config_field_names()
     defaults = {f.name: f.default for f in dataclasses.fields(config.EngineConfig)}
     for p in PARAMS:
-        if p.scope == "engine" and p.name != "fragment_dir":  # fragment_dir: the engine has no default
+        if p.scope == "engine" and p.name != "fragment_dir" and "." not in p.field:  # no engine default / dict keys
             assert p.parse(p.default) == defaults[p.field], p.name
 
 
@@ -65,6 +65,21 @@ def test_bad_values_name_the_parameter(name, value, needle):
 def test_unknown_parameter_is_an_error():
     with pytest.raises(ParamError, match="'blocksize': unknown parameter"):
         parse_params({"blocksize": "16"})
+
+
+def test_morph_thresholds_fill_only_what_is_set():
+    assert "morph_overrides" not in parse_params({}).engine  # the policy keeps its own values
+    parsed = parse_params({"morph_policy": "int4:4", "morph_down_persist": "3", "morph_up_quiet_s": "1.5"})
+    assert parsed.engine["morph_policy"] == "int4:4"
+    assert parsed.engine["morph_overrides"] == {"down_persist": 3, "up_quiet_s": 1.5}
+    with pytest.raises(ParamError, match="'morph_policy'"):
+        parse_params({"morph_policy": "turbo"})
+
+
+def test_morph_threshold_names_match_the_controller():
+    controller = pytest.importorskip("trtllm_backend.controller")
+    assert {p.field.partition(".")[2] for p in PARAMS if p.field.startswith("morph_overrides.")} == set(
+        controller.MorphPolicy.TUNABLE)
 
 
 def test_optional_values_and_whitespace():

@@ -7,8 +7,10 @@ a short perf_analyzer sweep, and a bad parameter refused at model load.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import signal
 import sys
 import time
 import urllib.error
@@ -443,3 +445,25 @@ def test_bad_parameter_fails_model_load_naming_it(tmp_path):
                      params={"block_size": "sixteen"}, check_params=False, build_dir=tmp_path,
                      log_path=tmp_path / "server.log", ready_timeout=120, exit_timeout_s=5)
     assert "parameter 'block_size'" in (tmp_path / "server.log").read_text(), str(info.value)
+
+
+# --- a stub crash stops the server instead of leaving it hanging ---------------------------------------------------
+def test_stub_crash_stops_the_server_instead_of_hanging(tmp_path):
+    from trtllm_backend import serve
+
+    http, grpc, metrics_port = free_ports(3)
+    srv = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
+                       params=TEST_SERVER_PARAMS, build_dir=tmp_path, log_path=tmp_path / "server.log",
+                       exit_timeout_s=3)
+    try:
+        (stub,) = srv.stub_pids()
+        s = GrpcStream(srv.grpc_url)
+        s.send(inputs(text_input="Once upon a time", max_tokens=1000, min_length=1000, stream=True))
+        s.events.get(timeout=60)
+        os.kill(stub, signal.SIGKILL)
+        # Triton 2.51 would keep answering "ready" and never end this request; the launcher's watcher stops it.
+        assert s.collect(timeout=60).error is not None
+        assert wait_for(lambda: not srv.alive(), timeout=30) and srv.stub_died
+    finally:
+        srv.stop()
+    assert not srv.stub_pids() and not list(Path("/dev/shm").glob(srv.shm_prefix + "*"))

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -167,7 +168,10 @@ class ServerHandle:
     shm_prefix: str  # the Python backend's shared-memory regions are /dev/shm/<shm_prefix>*
     log_path: Path | None = None
     repo_copy: Path | None = None  # the edited copy of the repository (--param), removed on stop
+    exit_timeout_s: int = 30
+    stub_died: bool = False  # set by the watcher when a Python backend stub exited under a running server
     _log_file: object = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def http_url(self) -> str:
@@ -184,22 +188,59 @@ class ServerHandle:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (Triton unloads models: finalize drains), then SIGKILL after `timeout`."""
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
+    def stop(self, timeout: float | None = None) -> int:
+        """SIGTERM (Triton unloads models: finalize drains), then SIGKILL after `timeout` (default: the exit
+        timeout plus a margin: with a request stuck in a dead stub tritonserver never exits by itself)."""
+        with self._lock:
+            if self.alive():
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(self.exit_timeout_s + 5 if timeout is None else timeout)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+            # NOTE: a killed (or crashed) tritonserver leaves its Python stubs running, each holding the
+            # model; they share the server's process group (start_new_session), so end what is left of it.
             try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        self.clean_shm()
-        if self.repo_copy is not None:
-            shutil.rmtree(self.repo_copy, ignore_errors=True)
-        return self.process.returncode
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+            self.clean_shm()
+            if self.repo_copy is not None:
+                shutil.rmtree(self.repo_copy, ignore_errors=True)
+            return self.process.returncode
+
+    def stub_pids(self) -> list[int]:
+        """The server's children: the Python backend stubs, one per model instance."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                after_name = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(after_name[1]) == self.process.pid and after_name[0] != "Z":
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def watch_stubs(self, interval: float = 1.0) -> threading.Thread:
+        """A stub that dies leaves Triton "ready" but answering every request with an error, and a request
+        in flight never ends: stop the whole server instead, so a supervisor (or the caller) can restart it."""
+        expected = len(self.stub_pids())
+
+        def watch():
+            while self.alive() and len(self.stub_pids()) >= expected:
+                time.sleep(interval)
+            if self.alive():
+                self.stub_died = True
+                print("[serve] a Python backend stub exited: stopping tritonserver", file=sys.stderr, flush=True)
+                self.stop()
+
+        thread = threading.Thread(target=watch, name="stub-watch", daemon=True)
+        thread.start()
+        return thread
 
     def clean_shm(self) -> list[Path]:
         """Remove this server's leaked shared-memory regions (a crashed stub leaves them behind)."""
@@ -251,12 +292,13 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
     process = subprocess.Popen(cmd, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=True)
     handle = ServerHandle(process, http_port, grpc_port, metrics_port, model, shm_prefix,
-                          Path(log_path) if log_path else None, repo_copy, log_file)
+                          Path(log_path) if log_path else None, repo_copy, exit_timeout_s, _log_file=log_file)
     try:
         _wait_ready(handle, ready_timeout)
     except BaseException:
         handle.stop(timeout=10)
         raise
+    handle.watch_stubs()
     return handle
 
 
@@ -319,15 +361,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[serve] error: {exc}", file=sys.stderr)
         return 2
 
-    def forward(signum, _frame):  # the server drains on SIGTERM; Ctrl-C means the same
-        handle.process.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the server drains on SIGTERM; Ctrl-C means the same
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     _print_endpoints(handle)
-    code = handle.process.wait()
-    handle.clean_shm()
-    return code
+    while handle.alive() and not stop.wait(0.5):
+        pass
+    code = handle.stop()
+    return 1 if handle.stub_died else code
 
 
 if __name__ == "__main__":

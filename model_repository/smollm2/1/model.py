@@ -8,6 +8,7 @@ aborts, one refreshes the gauges from `engine.stats()`. `finalize` drains the en
 import itertools
 import json
 import math
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -194,11 +195,10 @@ class TritonPythonModel:
         raw = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         version_dir = str(Path(args["model_repository"]) / args["model_version"])
         self.params = triton_params.parse_params(raw, base_dir=version_dir)  # ParamError names the parameter
-        self.engine = create_engine(self.params)
-        engine_cfg = self.params.engine
+        engine_config = triton_params.engine_config(self.params)
+        self.engine = create_engine(engine_config)
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
-                                     kv_capacity_blocks=engine_cfg["max_tokens_in_paged_kv_cache"]
-                                     // engine_cfg["block_size"])
+                                     kv_capacity_blocks=engine_config.base_kv_blocks)
         self.live: dict[str, LiveRequest] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count()
@@ -286,7 +286,11 @@ class TritonPythonModel:
 
     # --- background threads -----------------------------------------------------------------------------------
     def _watch_cancellation(self) -> None:
+        parent = os.getppid()
         while not self.stopping.wait(self.params.model.cancel_poll_interval_s):
+            if os.getppid() != parent:  # tritonserver died (killed, crashed): an orphaned stub holds the model
+                log_error("tritonserver is gone: exiting the stub")
+                os._exit(1)
             with self.lock:
                 candidates = [lv for lv in self.live.values() if not lv.cancelled]
             for live in candidates:
@@ -313,11 +317,11 @@ class TritonPythonModel:
             t.join()
 
 
-def create_engine(params: triton_params.ParsedParams):
+def create_engine(config):
     """Separate so the unit tests can hand in a fake engine."""
     from trtllm_backend.engine import LLMEngine
 
-    return LLMEngine(triton_params.engine_config(params))
+    return LLMEngine(config)
 
 
 def log_error(message: str) -> None:
