@@ -16,14 +16,29 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from datetime import datetime
+
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.dates as mdates  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 
 DASHBOARD = Path(__file__).parent / "grafana" / "dashboards" / "morphserve.json"
 ROW_PX = 0.32  # inches per Grafana grid row (30 px at ~94 dpi)
 UNITS = {"percentunit": (100, "%"), "bytes": (1 / 2**20, " MiB"), "s": (1000, " ms"), "reqps": (1, " req/s")}
+
+
+def stat_text(v: float, unit: str) -> str:
+    """Grafana-like stat value: whole numbers as such, bytes in binary units, ratios in percent."""
+    if unit == "bytes":
+        for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if abs(v) >= div:
+                return f"{v / div:.2f} {name}"
+        return f"{v:.0f} B"
+    if unit == "percentunit":
+        return f"{v * 100:.1f}%"
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:.3g}"
 
 
 def query_range(prom: str, expr: str, start: float, end: float, step: float) -> list[dict]:
@@ -41,8 +56,9 @@ def legend(fmt: str, labels: dict) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt) or str(labels or "value")
 
 
-def draw(ax, panel: dict, series: list[tuple[str, list, list]], t0: float) -> None:
-    scale, suffix = UNITS.get(panel["fieldConfig"]["defaults"].get("unit", ""), (1, ""))
+def draw(ax, panel: dict, series: list[tuple[str, list, list]]) -> None:
+    unit = panel["fieldConfig"]["defaults"].get("unit", "")
+    scale, suffix = UNITS.get(unit, (1, ""))
     ax.set_title(panel["title"], loc="left", fontsize=9, color="#d8d9da")
     ax.set_facecolor("#181b1f")
     ax.tick_params(colors="#9fa1a6", labelsize=7)
@@ -50,16 +66,19 @@ def draw(ax, panel: dict, series: list[tuple[str, list, list]], t0: float) -> No
         s.set_color("#2c3235")
     if panel["type"] == "stat":
         last = [ys[-1] for _, _, ys in series if ys]
-        text = f"{last[0] * scale:.3g}{suffix}" if last else "No data"
+        text = stat_text(last[0], unit) if last else "No data"
         ax.text(0.5, 0.4, text, ha="center", va="center", fontsize=20, color="#73bf69", transform=ax.transAxes)
         ax.set_xticks([]), ax.set_yticks([])
         return
     for name, xs, ys in series:
-        ax.plot([(x - t0) / 60 for x in xs], [y * scale for y in ys], lw=1.5, label=name)
+        ax.plot([datetime.fromtimestamp(x) for x in xs], [y * scale for y in ys], lw=1.5, label=name)
     if not series:
         ax.text(0.5, 0.5, "No data", ha="center", va="center", color="#9fa1a6", transform=ax.transAxes)
     ax.grid(color="#2c3235", lw=0.5)
-    ax.set_xlabel("minutes", fontsize=7, color="#9fa1a6")
+    lim = panel["fieldConfig"]["defaults"]
+    if "min" in lim or "max" in lim:
+        ax.set_ylim(lim.get("min", 0) * scale, lim.get("max", 1) * scale)
+    ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
     if suffix:
         ax.set_ylabel(suffix.strip(), fontsize=7, color="#9fa1a6")
     if series:
@@ -78,8 +97,10 @@ def render(prom: str, out: Path, minutes: float, dashboard: Path = DASHBOARD) ->
     with_data = 0
     for p in dash["panels"]:
         g = p["gridPos"]
-        rect = [g["x"] / 24 + 0.006, top - (g["y"] + g["h"]) / rows * top + 0.02, g["w"] / 24 - 0.03,
-                g["h"] / rows * top - 0.035]
+        # Leave room inside each grid cell for tick labels (Grafana draws them inside the panel too).
+        pad = 0.0 if p["type"] == "stat" else 0.035
+        rect = [g["x"] / 24 + 0.006 + pad, top - (g["y"] + g["h"]) / rows * top + 0.02,
+                g["w"] / 24 - 0.014 - pad, g["h"] / rows * top - 0.035]
         series = []
         for t in p["targets"]:
             for r in query_range(prom, t["expr"], start, end, step):
@@ -87,7 +108,7 @@ def render(prom: str, out: Path, minutes: float, dashboard: Path = DASHBOARD) ->
                 ys = [float(v[1]) for v in r["values"]]
                 series.append((legend(t.get("legendFormat", ""), r["metric"]), xs, ys))
         with_data += bool(series)
-        draw(fig.add_axes(rect), p, series, start)
+        draw(fig.add_axes(rect), p, series)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90, facecolor=fig.get_facecolor())
     return with_data

@@ -14,9 +14,24 @@ PY=${PYTHON:-$PWD/.venv/bin/python}
 DATA_ROOT=${MORPHSERVE_DOCKER_ROOT:-/var/lib/docker-morphserve}  # outside the clone: the cache survives fresh clones
 BASE_TAG=${MORPHSERVE_BASE_IMAGE:-morphserve/base:bookworm-py311}
 IMAGE=${MORPHSERVE_IMAGE:-morphserve/triton-cpu:test}
-# Ports away from 8000-8002 so a developer's server on the same host does not collide (host networking).
-HTTP=${MORPHSERVE_TEST_HTTP_PORT:-18000}; GRPC=${MORPHSERVE_TEST_GRPC_PORT:-18001}
-METRICS=${MORPHSERVE_TEST_METRICS_PORT:-18002}; PROM_PORT=${MORPHSERVE_TEST_PROMETHEUS_PORT:-19090}
+# Host networking shares the host's ports: take four that are free now (a developer's server or another
+# test may hold 8000-8002), unless given. A taken port would let the healthcheck reach someone else's server.
+read -r FREE_HTTP FREE_GRPC FREE_METRICS FREE_PROM < <(python3 - <<'PYEOF'
+import random, socket
+def free(p):
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", p)); return True
+        except OSError:
+            return False
+while True:
+    base = random.randrange(20000, 29000, 10)
+    if all(free(base + i) for i in range(4)):
+        print(base, base + 1, base + 2, base + 3); break
+PYEOF
+)
+HTTP=${MORPHSERVE_TEST_HTTP_PORT:-$FREE_HTTP}; GRPC=${MORPHSERVE_TEST_GRPC_PORT:-$FREE_GRPC}
+METRICS=${MORPHSERVE_TEST_METRICS_PORT:-$FREE_METRICS}; PROM_PORT=${MORPHSERVE_TEST_PROMETHEUS_PORT:-$FREE_PROM}
 COMPOSE_VERSION=2.40.3
 mkdir -p "$WORK" "$RESULTS"
 log() { echo "[docker-test +$(( $(date +%s) - T0 ))s] $*"; }
@@ -44,15 +59,16 @@ log "$(docker compose version)"
 for profiles in "" "--profile monitoring" "--profile gpu" "--profile monitoring --profile gpu"; do
   docker compose -f docker/compose.yaml $profiles config -q
 done
-log "compose config valid: default, monitoring, gpu, monitoring+gpu"
+MORPHSERVE_FRAGMENTS_DIR=/tmp docker compose -f docker/compose.yaml -f docker/compose.fragments.yaml config -q
+log "compose config valid: default, monitoring, gpu, monitoring+gpu, fragments override"
 
 # ---- what we start, we stop (by pid) ----
 DOCKERD_PID=""; PROM_PID=""; UP=0
 cleanup() {
   set +e
   if [ "$UP" = 1 ]; then
-    docker compose -f docker/compose.yaml logs --no-color >"$WORK/server.log" 2>&1
-    docker compose -f docker/compose.yaml down --timeout 30 >/dev/null 2>&1
+    $COMPOSE logs --no-color >"$WORK/server.log" 2>&1
+    $COMPOSE down --timeout 30 >/dev/null 2>&1
   fi
   [ -n "$PROM_PID" ] && kill "$PROM_PID" 2>/dev/null && wait "$PROM_PID" 2>/dev/null
   if [ -n "$DOCKERD_PID" ]; then kill "$DOCKERD_PID"; wait "$DOCKERD_PID" 2>/dev/null; fi
@@ -88,8 +104,11 @@ ca=$("$PY" -m pip config get global.cert 2>/dev/null || echo /etc/ssl/certs/ca-c
 log "building $IMAGE (FROM $BASE_TAG)"
 tb=$(date +%s)
 # The classic builder: no buildx plugin needed, and `--network host` works on a daemon without a bridge.
-DOCKER_BUILDKIT=0 docker build -q --network host -f docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_TAG" \
-  -t "$IMAGE" . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+# The build stage gets a tag of its own: untagged, `image prune` would drop it with the dependency layers.
+for target in "--target build -t $IMAGE-buildstage" "-t $IMAGE"; do
+  DOCKER_BUILDKIT=0 docker build -q --force-rm --network host -f docker/Dockerfile \
+    --build-arg "BASE_IMAGE=$BASE_TAG" $target . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+done
 BUILD_S=$(( $(date +%s) - tb ))
 docker image prune -f >/dev/null  # dangling layers of earlier builds
 SIZE=$(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')
@@ -97,13 +116,38 @@ log "image $IMAGE: $SIZE, built in ${BUILD_S}s"
 
 # ---- up, requests, metrics ----
 export MORPHSERVE_IMAGE=$IMAGE MORPHSERVE_HTTP_PORT=$HTTP MORPHSERVE_GRPC_PORT=$GRPC MORPHSERVE_METRICS_PORT=$METRICS
+COMPOSE="docker compose -f docker/compose.yaml"
+# INT4 fragments are built offline (ModelOpt AWQ), not in the image: when this checkout has them, mount them
+# and put the server under KV pressure so the dashboard shows real morphs (swaps down, KV growth, restores).
+frags=$PWD/model_repository/smollm2/1/fragments
+if python3 -c "import json,sys; m=json.load(open(sys.argv[1])); sys.exit(not all('int4' in l['fragments'] for l in m['layers']))" \
+    "$frags/manifest.json" 2>/dev/null; then
+  if [ -n "$(find "$frags" -type f ! -perm -o+r | head -1)" ]; then
+    # The container's user (uid 10001) must read them: mount a world-readable copy, not the owner-only files.
+    rm -rf "$WORK/fragments" && cp -r "$frags" "$WORK/fragments" && chmod -R a+rX "$WORK/fragments"
+    frags=$WORK/fragments
+  fi
+  export MORPHSERVE_FRAGMENTS_DIR=$frags MORPHSERVE_POLICY=${MORPHSERVE_TEST_POLICY:-performance}
+  export MORPHSERVE_MAX_KV_TOKENS=${MORPHSERVE_TEST_KV_TOKENS:-512}
+  COMPOSE="$COMPOSE -f docker/compose.fragments.yaml"
+  log "mounting this checkout's INT4 fragments; policy=$MORPHSERVE_POLICY, KV pool $MORPHSERVE_MAX_KV_TOKENS tokens"
+else
+  log "no INT4 fragments in this checkout: the image's full-precision set only (morph panels stay flat)"
+fi
 tu=$(date +%s.%N)
 UP=1
-docker compose -f docker/compose.yaml up -d --wait --wait-timeout 600 --no-build triton \
-  || { docker compose -f docker/compose.yaml logs --no-color | tail -60; exit 1; }
-UP_S=$(echo "$(date +%s.%N) - $tu" | bc)
-log "compose up -> healthy (ready) in ${UP_S}s"
+$COMPOSE up -d --wait --wait-timeout 600 --no-build triton \
+  || { $COMPOSE logs --no-color | tail -60; exit 1; }
+UP_S=$(printf '%.1f' "$(echo "$(date +%s.%N) - $tu" | bc)")
+log "compose up -> healthy (ready) in ${UP_S}s on ports $HTTP/$GRPC/$METRICS"
 "$PY" docker/smoke_client.py check --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
+# The answers must come from *this* container: it is running and never restarted (no port clash, no crash).
+container_ok() {
+  local state
+  state=$(docker inspect -f '{{.State.Status}} restarts={{.RestartCount}}' "$($COMPOSE ps -q triton)")
+  [ "$state" = "running restarts=0" ] || { echo "container state: $state"; exit 1; }
+}
+container_ok
 
 # ---- Prometheus (Debian's) scrapes the container with docker/prometheus.yml ----
 sed "s/localhost:8002/localhost:$METRICS/" docker/prometheus.yml >"$WORK/prometheus.yml"
@@ -114,7 +158,8 @@ prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WORK/prome
 PROM_PID=$!
 "$PY" docker/smoke_client.py load --seconds "${MORPHSERVE_TEST_LOAD_S:-45}" --concurrency 6 \
   --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
-sleep 6  # one more scrape after the last request
+sleep "${MORPHSERVE_TEST_IDLE_S:-20}"  # idle: the controller restores layers; Prometheus scrapes the end state
+container_ok
 "$PY" - "$PROM_PORT" <<'PYEOF'
 import json, sys, urllib.request
 base = f"http://127.0.0.1:{sys.argv[1]}/api/v1/query?query="
@@ -128,7 +173,7 @@ print(f"[prometheus] target up; morphserve_requests_total = {float(done[0]['valu
 PYEOF
 "$PY" docker/render_panels.py --prometheus "http://127.0.0.1:$PROM_PORT" --minutes 2 --out "$RESULTS/dashboard.png"
 
-docker compose -f docker/compose.yaml down --timeout 30 >/dev/null 2>&1; UP=0
+$COMPOSE down --timeout 30 >/dev/null 2>&1; UP=0
 TOTAL=$(( $(date +%s) - T0 ))
 summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S total_s=$TOTAL"
 echo "$summary" >"$RESULTS/last_run.txt"
