@@ -54,3 +54,4 @@ def triton_server(tmp_path_factory):
         leaked = handle.clean_shm()
         if leaked:
             print(f"[conftest] removed leaked shared memory: {[p.name for p in leaked]}")
+        assert not handle.stub_died, "the Python backend stub died during the session"

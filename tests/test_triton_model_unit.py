@@ -251,14 +251,21 @@ def scalar(v, dtype) -> np.ndarray:
 
 def run(model, *requests):
     assert model.execute(list(requests)) is None
+    model.outbox.join()
     return requests
+
+
+def step(model, fn=None):
+    """One engine action, then wait until the responder thread has sent what it produced."""
+    (fn or model.engine.step)()
+    model.outbox.join()
 
 
 def drain(model, steps=50):
     for _ in range(steps):
         if not model.engine.requests:
             return
-        model.engine.step()
+        step(model)
 
 
 # --- load -------------------------------------------------------------------------------------------------------
@@ -372,7 +379,7 @@ def test_queue_full_is_unavailable_and_running_requests_continue(model):
 
 def test_engine_error_becomes_an_internal_error_response(model):
     (req,) = run(model, FakeRequest({"text_input": text("Hi"), "stream": scalar(True, np.bool_)}))
-    model.engine.fail(next(iter(model.engine.requests)))
+    step(model, lambda: model.engine.fail(next(iter(model.engine.requests))))
     assert req.sender.error.code() == FakeTritonError.INTERNAL and req.sender.finished
     assert not model.live
 
@@ -381,7 +388,7 @@ def test_engine_error_becomes_an_internal_error_response(model):
 def test_stop_input_cancels_the_request_with_the_same_id(model):
     (req,) = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(50, np.int32),
                                      "stream": scalar(True, np.bool_)}, request_id="r-7"))
-    model.engine.step()
+    step(model)
     (stop,) = run(model, FakeRequest({"stop": scalar(True, np.bool_)}, request_id="r-7"))
     assert stop.sender.finished and stop.sender.error is None
     assert req.sender.finished and req.sender.texts() == [" w1"]
@@ -391,11 +398,12 @@ def test_stop_input_cancels_the_request_with_the_same_id(model):
 def test_cancelled_client_is_aborted_by_the_watcher(model):
     (req,) = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(50, np.int32),
                                      "stream": scalar(True, np.bool_)}))
-    model.engine.step()
+    step(model)
     req.sender.cancelled = True
     deadline = time.monotonic() + 2
     while model.engine.requests and time.monotonic() < deadline:
         time.sleep(0.01)
+    model.outbox.join()
     assert not model.engine.requests and req.sender.finished
     cancelled = FakeMetricFamily.created["morphserve_requests_total"].get(status="cancelled")
     assert cancelled.value == 1

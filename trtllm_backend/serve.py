@@ -170,6 +170,7 @@ class ServerHandle:
     repo_copy: Path | None = None  # the edited copy of the repository (--param), removed on stop
     exit_timeout_s: int = 30
     stub_died: bool = False  # set by the watcher when a Python backend stub exited under a running server
+    stopping: bool = False  # stop() was called: stubs exiting now is the normal unload
     _log_file: object = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -191,6 +192,7 @@ class ServerHandle:
     def stop(self, timeout: float | None = None) -> int:
         """SIGTERM (Triton unloads models: finalize drains), then SIGKILL after `timeout` (default: the exit
         timeout plus a margin: with a request stuck in a dead stub tritonserver never exits by itself)."""
+        self.stopping = True
         with self._lock:
             if self.alive():
                 self.process.send_signal(signal.SIGTERM)
@@ -231,9 +233,9 @@ class ServerHandle:
         expected = len(self.stub_pids())
 
         def watch():
-            while self.alive() and len(self.stub_pids()) >= expected:
+            while self.alive() and not self.stopping and len(self.stub_pids()) >= expected:
                 time.sleep(interval)
-            if self.alive():
+            if self.alive() and not self.stopping:
                 self.stub_died = True
                 print("[serve] a Python backend stub exited: stopping tritonserver", file=sys.stderr, flush=True)
                 self.stop()

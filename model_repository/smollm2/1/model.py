@@ -1,14 +1,16 @@
 """Triton Python-backend glue for the MorphServe engine (decoupled).
 
-`execute` only decodes, validates and enqueues; the engine thread generates and sends every response from
-its `on_output` callback. Two small threads: one polls `is_cancelled()` (client gone, stream closed) and
-aborts, one refreshes the gauges from `engine.stats()`. `finalize` drains the engine and joins them.
+`execute` only decodes, validates and enqueues; the engine thread generates and queues its outputs; a
+responder thread sends every response. Two more small threads: one polls `is_cancelled()` (client gone,
+stream closed) and aborts, one refreshes the gauges from `engine.stats()`. `finalize` drains the engine and
+joins them all.
 """
 
 import itertools
 import json
 import math
 import os
+import queue
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -205,7 +207,10 @@ class TritonPythonModel:
         self.closing = False
         self.stopping = threading.Event()
         self.engine.start()
-        self.threads = [threading.Thread(target=self._watch_cancellation, name="morph-cancel", daemon=True),
+        self.outbox: queue.Queue = queue.Queue()  # (LiveRequest, RequestOutput) from the engine thread; None ends
+        self.responder = threading.Thread(target=self._respond, name="morph-respond", daemon=True)
+        self.threads = [self.responder,
+                        threading.Thread(target=self._watch_cancellation, name="morph-cancel", daemon=True),
                         threading.Thread(target=self._publish_metrics, name="morph-metrics", daemon=True)]
         for t in self.threads:
             t.start()
@@ -232,7 +237,7 @@ class TritonPythonModel:
                                "" if decoded.exclude_input else decoded.prompt)
             with self.lock:  # registered first: on_output may run before add_request returns
                 self.live[live.rid] = live
-            self.engine.add_request(decoded.prompt, decoded.params, lambda out, live=live: self._on_output(live, out),
+            self.engine.add_request(decoded.prompt, decoded.params, lambda out, live=live: self.outbox.put((live, out)),
                                     request_id=live.rid)
         except InvalidRequest as exc:
             self._reject(sender, live, triton_error(exc))
@@ -258,8 +263,19 @@ class TritonPythonModel:
         for live in targets:
             self.engine.abort(live.rid)
 
-    def _on_output(self, live: LiveRequest, out: RequestOutput) -> None:
-        """Runs on the engine thread: keep it to one send."""
+    def _respond(self) -> None:
+        """Every response leaves from here. NOTE: a send is an IPC round trip to tritonserver (0.2-0.6 ms
+        here), so the engine thread only queues its outputs and never waits on one."""
+        while True:
+            item = self.outbox.get()
+            try:
+                if item is None:
+                    return
+                self._send_output(*item)
+            finally:
+                self.outbox.task_done()
+
+    def _send_output(self, live: LiveRequest, out: RequestOutput) -> None:
         try:
             if out.finish_reason == "error":
                 live.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
@@ -311,7 +327,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.closing = True
-        self.engine.shutdown(drain_timeout_s=self.params.model.drain_timeout_s)
+        self.engine.shutdown(drain_timeout_s=self.params.model.drain_timeout_s)  # final outputs are queued
+        self.outbox.put(None)  # after them: the responder sends everything, then ends
         self.stopping.set()
         for t in self.threads:
             t.join()
