@@ -1,0 +1,114 @@
+"""report.md of a policy comparison: the table, the issue's targets checked against it, the sweep."""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import replay_metrics as rm
+
+# The issue's targets: dynamic `balanced` against static `full` (and `int4` for quality).
+TARGETS = {"violation_cut": 0.90, "p95_ratio": 2.5, "quality_share": 1 / 3, "saturation_ratio": 1.5}
+
+
+@dataclass(slots=True)
+class PolicyRow:
+    policy: str
+    summary: rm.Summary
+    unloaded_ttft_s: float
+    peak_kv_blocks: float
+    base_kv_blocks: float
+    weighted_ppl: float = math.nan
+    quality_loss: float = math.nan
+
+
+def peak(samples: list[dict], key: str) -> float:
+    return max((s[key] for s in samples if key in s), default=math.nan)
+
+
+def make_row(policy: str, result, slo: rm.Slo, ppl_at: dict[int, float] | None) -> PolicyRow:
+    s = rm.summarize(result.records, slo)
+    row = PolicyRow(policy, s, statistics.median(result.unloaded_ttft_s) if result.unloaded_ttft_s else math.nan,
+                    peak(result.samples, "kv_blocks"), peak(result.samples, "kv_capacity"))
+    if ppl_at:
+        try:
+            row.weighted_ppl = rm.weighted_perplexity(result.records, ppl_at)
+            row.quality_loss = rm.quality_loss(row.weighted_ppl, ppl_at)
+        except KeyError:
+            pass  # a count the table lacks: leave n/a rather than guess
+    return row
+
+
+def _f(x: float, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * scale:{spec}}{suffix}"
+
+
+def table(rows: list[PolicyRow]) -> str:
+    head = ("| policy | SLO violations | TTFT P50 / P95 / P99 (s) | TPOT P99 (ms) | req/s | output tok/s | "
+            "peak KV blocks (x full) | INT4 layers / token | quality: ppl (loss) | tokens at full precision | "
+            "done / rejected / failed | unloaded TTFT (s) |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        s = r.summary
+        kv = f"{_f(r.peak_kv_blocks, '.0f')} (x{_f(r.peak_kv_blocks / r.base_kv_blocks, '.1f')})" \
+            if r.base_kv_blocks and not math.isnan(r.base_kv_blocks) else _f(r.peak_kv_blocks, ".0f")
+        quality = "n/a" if math.isnan(r.weighted_ppl) else f"{r.weighted_ppl:.3f} ({r.quality_loss:+.2%})"
+        lines.append(
+            f"| {r.policy} | {_f(s.slo_violation_rate, '.1%')} | {_f(s.ttft.p50, '.2f')} / {_f(s.ttft.p95, '.2f')} / "
+            f"{_f(s.ttft.p99, '.2f')} | {_f(s.tpot.p99, '.0f', 1e3)} | {_f(s.request_throughput, '.3f')} | "
+            f"{_f(s.output_throughput, '.2f')} | {kv} | {_f(s.mean_int4_layers, '.2f')} | {quality} | "
+            f"{_f(s.full_precision_share, '.1%')} | {s.completed} / {s.rejected} / {s.failed} | "
+            f"{_f(r.unloaded_ttft_s, '.2f')} |")
+    return "\n".join(lines)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "**missed**")
+
+
+def targets(rows: list[PolicyRow], dynamic: str = "balanced", saturation: dict | None = None) -> str:
+    by = {r.policy: r for r in rows}
+    full, dyn, int4 = by.get("full"), by.get(dynamic), by.get("int4")
+    if full is None or dyn is None:
+        return f"Targets: need both `full` and `{dynamic}` in the run."
+    out = [f"| target ({dynamic} vs full) | wanted | measured | |", "|---|---|---|---|"]
+    vf, vd = full.summary.slo_violation_rate, dyn.summary.slo_violation_rate
+    cut = (1 - vd / vf) if vf > 0 else math.nan
+    out.append(f"| SLO violations cut | >= {TARGETS['violation_cut']:.0%} | {_f(cut, '.1%')} ({vf:.1%} -> {vd:.1%}) | "
+               f"{_verdict(None if math.isnan(cut) else cut >= TARGETS['violation_cut'])} |")
+    ratio = full.summary.ttft.p95 / dyn.summary.ttft.p95 if dyn.summary.ttft.p95 > 0 else math.nan
+    out.append(f"| P95 TTFT lower by | >= {TARGETS['p95_ratio']:g}x | {_f(ratio, '.2f', suffix='x')} "
+               f"({full.summary.ttft.p95:.2f} s -> {dyn.summary.ttft.p95:.2f} s) | "
+               f"{_verdict(None if math.isnan(ratio) else ratio >= TARGETS['p95_ratio'])} |")
+    if int4 is not None and not math.isnan(dyn.quality_loss) and not math.isnan(int4.quality_loss):
+        share = dyn.quality_loss / int4.quality_loss if int4.quality_loss > 0 else math.nan
+        out.append(f"| quality loss vs int4's | <= {TARGETS['quality_share']:.2f} of it | {_f(share, '.2f')} "
+                   f"({dyn.quality_loss:+.2%} vs {int4.quality_loss:+.2%}) | "
+                   f"{_verdict(None if math.isnan(share) else share <= TARGETS['quality_share'])} |")
+    else:
+        out.append("| quality loss vs int4's | <= 0.33 of it | n/a (no quality table, or no int4 run) | n/a |")
+    if saturation and saturation.get("full") and saturation.get(dynamic):
+        sat = saturation[dynamic] / saturation["full"]
+        out.append(f"| throughput at saturation | >= {TARGETS['saturation_ratio']:g}x | {sat:.2f}x "
+                   f"(rate scale {saturation['full']:g} -> {saturation[dynamic]:g}) | "
+                   f"{_verdict(sat >= TARGETS['saturation_ratio'])} |")
+    else:
+        out.append("| throughput at saturation | >= 1.5x | see the sweep (`--sweep`) | n/a |")
+    return "\n".join(out)
+
+
+def sweep_table(points: dict[str, list[tuple[float, rm.Summary]]], max_violation: float) -> tuple[str, dict]:
+    """Per policy and rate scale: violations and throughput; then the highest sustained rate."""
+    rates = sorted({r for pts in points.values() for r, _ in pts})
+    lines = ["| policy | " + " | ".join(f"x{r:g}" for r in rates) + " | sustained rate scale | req/s there |",
+             "|" + "|".join(["---"] * (len(rates) + 3)) + "|"]
+    sustained = {}
+    for policy, pts in points.items():
+        by_rate = dict(pts)
+        best = rm.max_sustained_rate([(r, s.slo_violation_rate) for r, s in pts], max_violation)
+        sustained[policy] = best
+        cells = [f"{by_rate[r].slo_violation_rate:.0%} ({by_rate[r].request_throughput:.2f}/s)" if r in by_rate else ""
+                 for r in rates]
+        there = f"{by_rate[best].request_throughput:.3f}" if best is not None else "n/a"
+        lines.append(f"| {policy} | " + " | ".join(cells) + f" | {best if best is not None else 'none'} | {there} |")
+    return "\n".join(lines), sustained
