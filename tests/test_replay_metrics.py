@@ -119,6 +119,9 @@ nv_inference_count{model="smollm2",version="1"} 7
 
 
 @pytest.mark.parametrize("layout", [
+    # tools/eval_quality.py: the serving order's curve at every k, other orders at a few k.
+    {"full_precision_ppl": 10.0, "by_order": {"front-to-back": {"0": 10.0, "2": 12.0}, "LIS": {"0": 10.0, "2": 11.0}},
+     "serving_curve": {"0": 10.0, "1": 10.5, "2": 11.0}},
     {"orders": {"lis": [10.0, 10.5, 11.0]}},
     {"lis": {"0": 10.0, "1": 10.5, "2": 11.0}, "front_to_back": {"0": 10.0, "1": 12.0}},
     {"orders": {"lis": [{"k": 0, "perplexity": 10.0}, {"k": 1, "perplexity": 10.5}, {"k": 2, "perplexity": 11.0}]}},
@@ -130,6 +133,14 @@ def test_quality_table_layouts(tmp_path, layout):
     path.write_text(json.dumps(layout))
     table, note = load_quality(path, "lis")
     assert table == {0: 10.0, 1: 10.5, 2: 11.0}, note
+
+
+def test_quality_sparse_order_is_interpolated(tmp_path):
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps({"by_order": {"front-to-back": {"0": 10.0, "4": 12.0, "8": 20.0}}}))
+    table, note = load_quality(path, "Front-to-Back")
+    assert table == pytest.approx({0: 10.0, 1: 10.5, 2: 11.0, 3: 11.5, 4: 12.0, 5: 14.0, 6: 16.0, 7: 18.0, 8: 20.0})
+    assert "6 k interpolated" in note
 
 
 def test_quality_table_missing(tmp_path):

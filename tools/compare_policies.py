@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import shlex
-import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +28,7 @@ import replay_plots  # noqa: E402
 import replay_report  # noqa: E402
 from replay_prompts import REPO_ROOT, PromptSource, load_tokenizer, repo_path  # noqa: E402
 from replay_quality import DEFAULT_QUALITY, load_quality  # noqa: E402
+from replay_servers import DYNAMIC, Server, slug, wait_idle  # noqa: E402
 
 DEFAULT_POLICIES = "full,int4,int4:15,accuracy,balanced,performance"
 # NOTE: the server settings of the comparison, explicit (docs/replay.md says why each). A 2048-token pool at
@@ -36,24 +37,14 @@ DEFAULT_POLICIES = "full,int4,int4:15,accuracy,balanced,performance"
 DEFAULT_PARAMS = {"max_tokens_in_paged_kv_cache": "2048", "block_size": "16", "max_batch_size": "32",
                   "max_num_tokens": "256", "max_queue_size": "256", "metrics_interval_s": "0.25",
                   "drain_timeout_s": "2"}
-# The default window: seconds 180-330 of the Azure code trace (two bursts, a lull, a tail, silence), thinned
-# and with lengths scaled to what two CPU cores serve; outputs lengthened so requests hold their blocks.
-DEFAULT_WORKLOAD = {"window_start": 180.0, "window": 150.0, "rate_scale": 0.1, "prompt_scale": 0.1,
+# The default window: seconds 2160-2310 of the Azure code trace (idle, a 50 s burst, a 50 s lull, a denser 30 s
+# burst, idle), thinned and with lengths scaled to what two CPU cores serve; outputs lengthened so requests
+# hold their blocks while they decode.
+DEFAULT_WORKLOAD = {"window_start": 2160.0, "window": 150.0, "rate_scale": 0.1, "prompt_scale": 0.08,
                     "prompt_clip": "32:384", "output_scale": 6.0, "output_clip": "16:192"}
 QUICK_WORKLOAD = {"window_start": 180.0, "window": 20.0, "rate_scale": 0.05, "prompt_scale": 0.05,
                   "prompt_clip": "32:128", "output_scale": 1.0, "output_clip": "8:16"}
 QUICK = {"policies": "full,balanced", "probes": 2, "drain_s": 30.0}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def shown(path: Path) -> str:
@@ -62,52 +53,6 @@ def shown(path: Path) -> str:
         return str(path.relative_to(REPO_ROOT))
     except ValueError:
         return str(path)
-
-
-def slug(policy: str) -> str:
-    return policy.replace(":", "-")
-
-
-class Server:
-    """A fresh tritonserver for one policy (trtllm_backend.serve.launch on free ports)."""
-
-    def __init__(self, policy: str, params: dict[str, str], log_dir: Path):
-        from trtllm_backend import serve
-
-        http, grpc, metrics = free_ports(3)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        t = time.monotonic()
-        self.handle = serve.launch(REPO_ROOT / "model_repository", http_port=http, grpc_port=grpc,
-                                   metrics_port=metrics, params={**params, "morph_policy": policy},
-                                   backend_dir=REPO_ROOT / "build" / "backends", build_dir=REPO_ROOT / "build",
-                                   log_path=log_dir / f"server_{slug(policy)}.log", ready_timeout=600,
-                                   exit_timeout_s=15)
-        print(f"[compare] {policy}: server ready in {time.monotonic() - t:.0f} s (gRPC :{grpc})", flush=True)
-
-    def __enter__(self):
-        return self.handle
-
-    def __exit__(self, *exc):
-        self.handle.stop(timeout=30)
-
-
-DYNAMIC = ("accuracy", "balanced", "performance")
-
-
-def wait_idle(metrics_url: str, dynamic: bool, timeout_s: float = 90.0) -> None:
-    """Between sweep points: no request held, and every layer a dynamic policy swapped restored."""
-    import urllib.request
-
-    from replay_sampler import snapshot
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-            snap = snapshot(resp.read().decode())
-        if not snap.get("active") and not (dynamic and snap.get("int4_layers")):
-            return
-        time.sleep(1.0)
-    print(f"[compare] server not idle after {timeout_s:.0f} s; continuing", flush=True)
 
 
 def run_policy(policy: str, planned, window_s, args, log_dir: Path) -> replay.ReplayResult:
@@ -120,6 +65,17 @@ def run_policy(policy: str, planned, window_s, args, log_dir: Path) -> replay.Re
     print(f"[compare] {policy}: {s.completed}/{s.requests} completed, P95 TTFT {s.ttft.p95:.2f} s, unloaded TTFT "
           f"{rm.dist(res.unloaded_ttft_s).p50:.2f} s; load average {load0:.1f} -> {res.load_avg[1]:.1f}", flush=True)
     return res
+
+
+def run_stamp(out: Path) -> str:
+    """When the raw results were written, and the code that wrote them."""
+    newest = max((p.stat().st_mtime for p in (out / "raw").glob("*.json")), default=time.time())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(newest)) + (f", commit {commit}" if commit else "")
 
 
 def save_raw(path: Path, policy: str, res: replay.ReplayResult) -> None:
@@ -140,6 +96,7 @@ def load_raw(path: Path) -> tuple[str, replay.ReplayResult]:
 def compare(args, out: Path, planned, window_s, described: str) -> None:
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text(json.dumps({"command": args.command}))  # --report-only keeps quoting it
     for policy in args.policy_list:
         res = run_policy(policy, planned, window_s, args, REPO_ROOT / "build" / "replay" / args.name)
         save_raw(raw / f"{slug(policy)}.json", policy, res)
@@ -166,8 +123,11 @@ def write_report(args, out: Path, described: str, window_s) -> None:
     if (out / "sweep.json").exists():
         saturation = json.loads((out / "sweep.json").read_text()).get("sustained")
     loads = ", ".join(f"{p} {r.load_avg[0]:.1f}->{r.load_avg[1]:.1f}" for p, r in results.items() if r.load_avg)
+    command = args.command
+    if args.report_only and (out / "run.json").exists():
+        command = json.loads((out / "run.json").read_text())["command"] + f"\n# report rebuilt: {args.command}"
     md = [f"# Trace replay: {args.name}", "",
-          "```bash", args.command, "```", "",
+          "```bash", command, "```", "", f"- run: {run_stamp(out)}",
           f"- workload: {described}".replace("\n", "\n  "),
           f"- server settings (same for every policy): "
           + ", ".join(f"`{k}={v}`" for k, v in sorted(args.params.items())),
@@ -176,8 +136,8 @@ def write_report(args, out: Path, described: str, window_s) -> None:
           + "; each run's own unloaded median TTFT is in the last column",
           f"- {quality_note}",
           f"- machine: 2 CPU cores shared with other work; load average (1 min) at start -> end of each run: {loads}",
-          "- a rejected or unfinished request counts as an SLO violation; TTFT/TPOT percentiles are over completed"
-          " requests; the INT4 count per token is the server's (`int4_layers` output)",
+          "- a rejected or unfinished request counts as an SLO violation; TTFT percentiles are over requests that got"
+          " a first token, TPOT over completed ones; the INT4 count per token is the server's (`int4_layers` output)",
           "", replay_report.table(rows), "",
           "## Targets (issue 5)", "", replay_report.targets(rows, "balanced", saturation), "",
           "## Plots", "", "![TTFT CDF](ttft_cdf.png)", ""]
@@ -197,12 +157,13 @@ def write_report(args, out: Path, described: str, window_s) -> None:
 def sweep(args, out: Path, prompts) -> None:
     rates = [float(x) for x in args.sweep.split(",")]
     points: dict[str, list[tuple[float, rm.Summary]]] = {}
-    lines = []
+    offered: dict[float, float] = {}
     for policy in args.policy_list:
         with Server(policy, args.params, REPO_ROOT / "build" / "replay" / args.name) as h:
             for i, rate in enumerate(sorted(rates)):
                 reqs, window_s, described = replay.build_workload(args, rate_scale=rate)
                 planned = replay.plan(reqs, prompts)
+                offered[rate] = len(planned) / window_s
                 if i:
                     wait_idle(h.metrics_url, policy in DYNAMIC)
                 res = replay.replay(planned, "grpc", h.grpc_url, h.metrics_url, window_s, args.drain_s,
@@ -216,11 +177,11 @@ def sweep(args, out: Path, prompts) -> None:
                 save_raw(out / "raw_sweep" / f"{slug(policy)}_x{rate:g}.json", policy, res)
                 print(f"[sweep] {policy} x{rate:g}: {len(planned)} requests, violations {s.slo_violation_rate:.1%}, "
                       f"{s.request_throughput:.3f} req/s", flush=True)
-                lines.append(described)
-    text, sustained = replay_report.sweep_table(points, args.max_violation)
+    text, sustained = replay_report.sweep_table(points, offered, args.max_violation)
     replay_plots.sweep(out / "sweep.png", {p: [(r, s.slo_violation_rate) for r, s in pts] for p, pts in points.items()},
                        args.max_violation)
-    body = ["```bash", args.command, "```", "",
+    reqs, window_s, described = replay.build_workload(args)
+    body = ["```bash", args.command, "```", "", f"Workload at rate scale x{args.rate_scale:g}: {described}", "",
             f"TTFT SLO {args.slo_s:.2f} s ({args.slo_from}); a policy sustains a rate scale when it and every lower one "
             f"keep SLO violations at or below {args.max_violation:.0%}.", "", text, ""]
     if sustained.get("full") and sustained.get("balanced"):

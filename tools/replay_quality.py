@@ -1,10 +1,11 @@
 """The quality column: perplexity against the number of INT4 layers, from tools/eval_quality.py's table.
 
-The table is results/quality/quality.json; we need, for one swap order (default "lis", the order in the
-manifest), perplexity at k = 0..num_layers INT4 layers. The reader accepts the layouts such a table
-naturally takes, so the two tools need not change in lock-step:
-  {"orders": {"lis": [ppl_0, ppl_1, ...]}}        {"lis": {"0": ppl_0, "1": ppl_1, ...}}
-  {"orders": {"lis": [{"k": 0, "perplexity": ppl_0}, ...]}}       [{"order": "lis", "k": 0, "ppl": ...}, ...]
+results/quality/quality.json holds `serving_curve` (perplexity at every k = 0..num_layers for the swap order
+the server uses, the manifest's LIS order) and `by_order` ({order: {k: ppl}} at a few k). For order "lis" the
+serving curve is used; another order is looked up by name (case-insensitive) and, where its k are sparse,
+interpolated linearly (the report says so). A few other natural layouts are accepted too:
+  {"lis": [ppl_0, ppl_1, ...]}       {"orders": {"lis": [{"k": 0, "perplexity": ppl_0}, ...]}}
+  [{"order": "lis", "k": 0, "ppl": ...}, ...]
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 
 DEFAULT_QUALITY = "results/quality/quality.json"
+SERVING_ALIASES = ("lis", "serving")  # names for "the order the server swaps in"
 _K_KEYS = ("k", "int4_layers", "num_int4_layers", "layers")
 _PPL_KEYS = ("perplexity", "ppl")
 
@@ -43,15 +45,28 @@ def _find(data, order: str, depth: int = 0):
     if depth > 4:
         return None
     if isinstance(data, dict):
-        if order in data:
-            return _as_table(data[order])
+        if order.lower() in SERVING_ALIASES and isinstance(data.get("serving_curve"), (dict, list)):
+            return _as_table(data["serving_curve"])
+        for key, v in data.items():
+            if key.lower() == order.lower():
+                return _as_table(v)
         for v in data.values():
             found = _find(v, order, depth + 1)
             if found:
                 return found
     if isinstance(data, list) and data and all(isinstance(r, dict) and "order" in r for r in data):
-        return _as_table([r for r in data if r["order"] == order])
+        return _as_table([r for r in data if str(r["order"]).lower() == order.lower()])
     return None
+
+
+def interpolate(table: dict[int, float]) -> dict[int, float]:
+    """Every k from 0 to the largest, linear between the measured ones."""
+    ks = sorted(table)
+    out = dict(table)
+    for a, b in zip(ks, ks[1:]):
+        for k in range(a + 1, b):
+            out[k] = table[a] + (table[b] - table[a]) * (k - a) / (b - a)
+    return out
 
 
 def load_quality(path: str | Path, order: str = "lis") -> tuple[dict[int, float] | None, str]:
@@ -62,7 +77,10 @@ def load_quality(path: str | Path, order: str = "lis") -> tuple[dict[int, float]
     try:
         table = _find(json.loads(path.read_text()), order)
     except (OSError, json.JSONDecodeError) as exc:
-        return None, f"quality n/a: cannot read {path}: {exc}"
+        return None, f"quality n/a: cannot read {path.name}: {exc}"
     if not table or 0 not in table:
-        return None, f"quality n/a: no perplexity table for order {order!r} (with k = 0) in {path}"
-    return table, f"quality: perplexity by INT4 layers, order {order!r}, from {path.name} (k = {min(table)}..{max(table)})"
+        return None, f"quality n/a: no perplexity table for order {order!r} (with k = 0) in {path.name}"
+    full = interpolate(table)
+    gaps = len(full) - len(table)
+    return full, (f"quality: perplexity by INT4 layers (order {order!r}, k = 0..{max(table)}) from {path.name}"
+                  + (f"; {gaps} k interpolated linearly" if gaps else "") + f"; full precision {table[0]:.3f}")

@@ -97,18 +97,22 @@ def targets(rows: list[PolicyRow], dynamic: str = "balanced", saturation: dict |
     return "\n".join(out)
 
 
-def sweep_table(points: dict[str, list[tuple[float, rm.Summary]]], max_violation: float) -> tuple[str, dict]:
-    """Per policy and rate scale: violations and throughput; then the highest sustained rate."""
+def sweep_table(points: dict[str, list[tuple[float, rm.Summary]]], offered: dict[float, float],
+                max_violation: float) -> tuple[str, dict]:
+    """Per policy and rate scale: violations (and completed req/s); then the highest sustained rate scale and
+    the arrival rate it offers (the same window at every scale, so the ratio of two policies' sustained rates
+    is their throughput ratio at saturation)."""
     rates = sorted({r for pts in points.values() for r, _ in pts})
-    lines = ["| policy | " + " | ".join(f"x{r:g}" for r in rates) + " | sustained rate scale | req/s there |",
-             "|" + "|".join(["---"] * (len(rates) + 3)) + "|"]
+    lines = ["| policy | " + " | ".join(f"x{r:g} ({offered[r]:.2f} req/s)" for r in rates)
+             + " | sustained rate scale | offered req/s there | output tok/s there |",
+             "|" + "|".join(["---"] * (len(rates) + 4)) + "|"]
     sustained = {}
     for policy, pts in points.items():
         by_rate = dict(pts)
         best = rm.max_sustained_rate([(r, s.slo_violation_rate) for r, s in pts], max_violation)
         sustained[policy] = best
-        cells = [f"{by_rate[r].slo_violation_rate:.0%} ({by_rate[r].request_throughput:.2f}/s)" if r in by_rate else ""
-                 for r in rates]
-        there = f"{by_rate[best].request_throughput:.3f}" if best is not None else "n/a"
-        lines.append(f"| {policy} | " + " | ".join(cells) + f" | {best if best is not None else 'none'} | {there} |")
+        cells = [f"{by_rate[r].slo_violation_rate:.0%}" if r in by_rate else "" for r in rates]
+        there = (f"{offered[best]:.3f} | {by_rate[best].output_throughput:.1f}" if best is not None else "n/a | n/a")
+        label = "none" if best is None else (f">= {best:g} (the highest tried)" if best == rates[-1] else f"{best:g}")
+        lines.append(f"| {policy} | " + " | ".join(cells) + f" | {label} | {there} |")
     return "\n".join(lines), sustained
