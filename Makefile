@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export OMP_WAIT_POLICY := PASSIVE
 PY := .venv/bin/python
 
-.PHONY: setup serve generate test bench
+.PHONY: setup serve generate test bench docker-test quality profile replay replay-quick
 setup:
 	@bash tools/setup.sh
 
@@ -18,3 +18,22 @@ test: setup
 
 bench: setup
 	$(PY) tools/bench_engine.py
+
+# Container deployment end to end (root; starts/stops its own dockerd when none runs).
+docker-test: setup
+	bash docker/test_compose.sh
+
+# Offline quality: held-out perplexity vs INT4 layers per swap order (results/quality/).
+quality: setup
+	$(PY) tools/eval_quality.py
+
+# Re-profile the LIS swap order into the manifest.
+profile: setup
+	$(PY) tools/profile_layers.py
+
+# Trace replay: every policy on the default Azure-code window (results/replay/default/, ~25 min).
+replay: setup
+	$(PY) tools/compare_policies.py --name default
+
+replay-quick: setup
+	$(PY) tools/compare_policies.py --quick

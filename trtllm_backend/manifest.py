@@ -48,6 +48,9 @@ def sha256_file(path: Path) -> str:
 
 
 def file_entry(path: Path, **extra) -> dict:
+    """The manifest entry of a freshly written fragment file. Also makes it world-readable: safetensors
+    writes 0600, and a serving user other than the builder (a container's) must read the set."""
+    path.chmod(0o644)
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path), **extra}
 
 
