@@ -96,7 +96,10 @@ def calibrate(model, samples: torch.Tensor, group_size: int, batch: int = 16) ->
     def forward_loop(m):  # ModelOpt calls it twice: statistics, then the scale search (~10x slower)
         batches, layers = samples.split(batch), m.model.layers
         with tqdm(total=len(batches) * len(layers), desc="AWQ calibration pass", unit="layer") as bar:
-            hooks = [layer.register_forward_hook(lambda *_: bar.update()) for layer in layers]
+            def tick(*_):  # NOTE: must return None: a forward hook's return value replaces the layer output
+                bar.update()
+
+            hooks = [layer.register_forward_hook(tick) for layer in layers]
             try:
                 for chunk in batches:
                     m.model(chunk, use_cache=False)  # decoder only: the unquantized LM head is 1/3 of the FLOPs
