@@ -33,6 +33,8 @@ def fragment_dir() -> Path:
 
 
 def make_engine(**overrides) -> LLMEngine:
+    # Static full precision unless a test asks otherwise: outputs are compared with full-precision references.
+    overrides.setdefault("morph_policy", "full")
     return LLMEngine(EngineConfig(fragment_dir=str(fragment_dir()), **overrides))
 
 

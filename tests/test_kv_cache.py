@@ -54,6 +54,7 @@ def test_segments_have_global_stable_ids_and_drain():
 def test_copy_block_moves_all_layers_across_segments():
     p = pool(blocks=2, bs=2)
     s2 = p.add_segment(2)
+    p.segments[0].kv.zero_()  # segments are allocated uninitialised
     s2.kv[:, :, 0:2].fill_(7.0)  # block 2 (first of the second segment)
     p.copy_block(2, 1)
     assert torch.all(p.segments[0].kv[:, :, 2:4] == 7.0)
