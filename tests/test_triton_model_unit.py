@@ -370,7 +370,8 @@ def test_bad_input_gets_invalid_arg_naming_the_field(model, inputs, field):
 
 
 def test_queue_full_is_unavailable_and_running_requests_continue(model):
-    running = run(model, *[FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32)}) for _ in range(4)])
+    running = run(model, *[FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32)})
+                           for _ in range(4)])
     (extra,) = run(model, FakeRequest({"text_input": text("Hi")}))
     assert extra.sender.error.code() == FakeTritonError.UNAVAILABLE and extra.sender.finished
     drain(model)

@@ -138,7 +138,8 @@ def format_table(levels: list[LevelSummary]) -> str:
     lines = ["concurrency  requests  TTFT p50 ms  TTFT p90 ms  e2e p50 ms  out tokens  tokens/s  req/s"]
     for lv in levels:
         lines.append(f"{lv.concurrency:>11}  {lv.requests:>8}  {lv.ttft_p50_ms:>11.1f}  {lv.ttft_p90_ms:>11.1f}  "
-                     f"{lv.e2e_p50_ms:>10.1f}  {lv.output_tokens:>10}  {lv.tokens_per_s:>8.1f}  {lv.requests_per_s:>5.2f}")
+                     f"{lv.e2e_p50_ms:>10.1f}  {lv.output_tokens:>10}  {lv.tokens_per_s:>8.1f}  "
+                     f"{lv.requests_per_s:>5.2f}")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ in the installed nvidia-pytriton wheel (Triton 2.51). Also importable: `launch(.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ from . import triton_params
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NGC_ROOT = Path("/opt/tritonserver")
 SHM_PREFIX = "triton_python_backend_shm_region_"
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(slots=True)
@@ -90,7 +92,8 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 # --- config.pbtxt parameters ------------------------------------------------------------------------------
 _PARAM_RE = re.compile(
-    r'parameters\s*:?\s*\{\s*key\s*:\s*"(?P<key>[^"]+)"\s*value\s*:?\s*\{\s*string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}')
+    r'parameters\s*:?\s*\{\s*key\s*:\s*"(?P<key>[^"]+)"\s*'
+    r'value\s*:?\s*\{\s*string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}')
 
 
 def read_parameters(pbtxt: str) -> dict[str, str]:
@@ -292,7 +295,7 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
            f"--backend-config=python,shm-region-prefix-name={shm_prefix}", *(extra_args or [])]
     log_file = open(log_path, "w") if log_path else None
     process = subprocess.Popen(cmd, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_die_with_parent)
     handle = ServerHandle(process, http_port, grpc_port, metrics_port, model, shm_prefix,
                           Path(log_path) if log_path else None, repo_copy, exit_timeout_s, _log_file=log_file)
     try:
@@ -302,6 +305,15 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
         raise
     handle.watch_stubs()
     return handle
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launching thread dies, so a killed launcher or test run
+    never leaves a server (and its model-holding stubs) behind. NOTE: call launch() from a long-lived thread."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux/glibc: the server simply outlives a killed launcher
+        pass
 
 
 def _wait_ready(handle: ServerHandle, timeout: float) -> None:
@@ -330,7 +342,7 @@ def _print_endpoints(handle: ServerHandle) -> None:
     m = handle.model
     print(f"""
 [serve] ready: model '{m}'
-  HTTP     http://localhost:{handle.http_port}   (generate: /v2/models/{m}/generate, SSE: /v2/models/{m}/generate_stream)
+  HTTP     http://localhost:{handle.http_port}   (/v2/models/{m}/generate, SSE: /v2/models/{m}/generate_stream)
   gRPC     localhost:{handle.grpc_port}
   metrics  {handle.metrics_url}
   try:

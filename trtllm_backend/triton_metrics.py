@@ -19,6 +19,21 @@ SWAP_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 REQUEST_STATUSES = ("success", "error", "cancelled")
 
 
+class _Gauge:
+    """A gauge that is only written when its value changes (each write is an IPC call to tritonserver)."""
+
+    __slots__ = ("metric", "last")
+
+    def __init__(self, metric: Any):
+        self.metric = metric
+        self.last = None
+
+    def set(self, value: float) -> None:
+        if value != self.last:
+            self.metric.set(value)
+            self.last = value
+
+
 class _Counter:
     """A Prometheus counter fed from a cumulative engine counter: increments by the difference."""
 
@@ -43,17 +58,15 @@ class TritonMetrics:
         gauge, counter, hist = (pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER,
                                 pb_utils.MetricFamily.HISTOGRAM)
 
-        self.requests = self._labelled("morphserve_requests", "Requests by state (active = held by the model)",
-                                       gauge, "state", ("active", "waiting", "scheduled"))
-        self.kv_blocks = self._labelled("morphserve_kv_cache_blocks", "KV-cache blocks", gauge, "type",
-                                        ("max", "used", "free"))
-        self.kv_usage = self._single("morphserve_kv_cache_usage_ratio", "Used / max KV-cache blocks", gauge)
-        self.int4_layers = self._single("morphserve_int4_layers", "Decoder layers running quantized", gauge)
-        self.kv_capacity = self._single("morphserve_kv_capacity_blocks",
-                                        "KV-cache blocks of the configured pool with every layer at full precision",
-                                        gauge)
-        self.memory = self._labelled("morphserve_memory_bytes", "Memory budget and resident bytes", gauge, "type",
-                                     ("budget", "used"))
+        self.requests = self._gauges("morphserve_requests", "Requests by state (active = held by the model)",
+                                     "state", ("active", "waiting", "scheduled"))
+        self.kv_blocks = self._gauges("morphserve_kv_cache_blocks", "KV-cache blocks", "type", ("max", "used", "free"))
+        self.kv_usage = _Gauge(self._single("morphserve_kv_cache_usage_ratio", "Used / max KV-cache blocks", gauge))
+        self.int4_layers = _Gauge(self._single("morphserve_int4_layers", "Decoder layers running quantized", gauge))
+        self.kv_capacity = _Gauge(self._single("morphserve_kv_capacity_blocks",
+                                               "KV-cache blocks of the configured pool at full precision", gauge))
+        self.memory = self._gauges("morphserve_memory_bytes", "Memory budget and resident bytes", "type",
+                                   ("budget", "used"))
 
         self.preemptions = _Counter(self._single("morphserve_preemptions_total", "Preempted requests", counter))
         self.prompt_tokens = _Counter(self._single("morphserve_prompt_tokens_total", "Prefilled prompt tokens",
@@ -98,6 +111,10 @@ class TritonMetrics:
     def _labelled(self, name: str, doc: str, kind: Any, key: str, values: tuple[str, ...]) -> dict[str, Any]:
         family = self._family(name, doc, kind)
         return {v: family.Metric(labels={**self._labels, key: v}) for v in values}
+
+    def _gauges(self, name: str, doc: str, key: str, values: tuple[str, ...]) -> dict[str, _Gauge]:
+        labelled = self._labelled(name, doc, self._pb.MetricFamily.GAUGE, key, values)
+        return {v: _Gauge(m) for v, m in labelled.items()}
 
     # --- updates ----------------------------------------------------------------------------------------------
     def update(self, stats: EngineStats, active: int) -> None:

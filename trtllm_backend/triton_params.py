@@ -110,7 +110,8 @@ PARAMS: tuple[Param, ...] = (
           NON_EMPTY),
     Param("block_size", "int", "16", "engine.block_size", "Tokens per KV-cache block.", at_least(1)),
     Param("max_batch_size", "int", "32", "engine.max_batch_size",
-          "Most requests in the running batch (the engine batches; Triton's own max_batch_size is 1: one prompt per request).", at_least(1)),
+          "Most requests in the running batch (the engine batches; Triton's own max_batch_size is 1: one prompt "
+          "per request).", at_least(1)),
     Param("max_num_tokens", "int", "512", "engine.max_num_tokens",
           "Most prompt tokens prefilled per iteration (chunked prefill).", at_least(1)),
     Param("max_tokens_in_paged_kv_cache", "int", "8192", "engine.max_tokens_in_paged_kv_cache",
@@ -132,7 +133,8 @@ PARAMS: tuple[Param, ...] = (
     Param("memory_budget_bytes", "int?", "", "engine.memory_budget_bytes",
           "Bound on resident weights + KV blocks; empty: full-precision model + base KV pool + one staging fragment.",
           at_least(1)),
-    *(Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check) for name, kind, doc, check in (
+    *(Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check)
+      for name, kind, doc, check in (
         ("layers_per_action", "int", "Layers swapped per morph action.", at_least(1)),
         ("max_int4_layers", "int", "Most layers quantized at once.", at_least(0)),
         ("down_kv_usage", "float", "KV usage that, with requests waiting, counts as pressure.", in_half_open(0.0, 1.0)),

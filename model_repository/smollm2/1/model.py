@@ -206,8 +206,8 @@ class TritonPythonModel:
         self.ids = itertools.count()
         self.closing = False
         self.stopping = threading.Event()
-        self.engine.start()
         self.outbox: queue.Queue = queue.Queue()  # (LiveRequest, RequestOutput) from the engine thread; None ends
+        self.engine.start()
         self.responder = threading.Thread(target=self._respond, name="morph-respond", daemon=True)
         self.threads = [self.responder,
                         threading.Thread(target=self._watch_cancellation, name="morph-cancel", daemon=True),
@@ -219,7 +219,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             self._enqueue(request)
-        return None  # decoupled: every response leaves from the engine thread
+        return None  # decoupled: every response leaves from the responder thread
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
