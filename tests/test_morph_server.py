@@ -23,13 +23,16 @@ MORPH_PARAMS = {
 }
 
 
+LOG = {}
+
+
 @pytest.fixture(scope="module")
 def morph_server(tmp_path_factory):
     from trtllm_backend import serve
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     http, grpc, metrics_port = free_ports(3)
-    log = tmp_path_factory.mktemp("triton-morph") / "tritonserver.log"
+    log = LOG["path"] = tmp_path_factory.mktemp("triton-morph") / "tritonserver.log"
     handle = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
                           params=MORPH_PARAMS, backend_dir=ROOT / "build" / "backends", build_dir=ROOT / "build",
                           log_path=log, ready_timeout=300, exit_timeout_s=10)
@@ -38,7 +41,6 @@ def morph_server(tmp_path_factory):
     finally:
         handle.stop(timeout=20)
         handle.clean_shm()
-        print(log.read_text()[-3000:])
 
 
 def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
@@ -84,3 +86,6 @@ def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
     assert after['morphserve_layer_swaps_total{direction="up"}'] == after['morphserve_layer_swaps_total{direction="down"}']
     assert after['morphserve_kv_cache_blocks{type="used"}'] == 0
     assert after["morphserve_preemptions_total"] >= 0
+    # One log line per morph action, with its reason.
+    text = LOG["path"].read_text()
+    assert "morph: swap" in text and "morph: restore" in text

@@ -114,7 +114,7 @@ def test_shipped_config_lists_every_parameter_at_its_default():
 
 
 def test_docs_table_is_generated_from_the_table():
-    doc = (ROOT / "docs" / "triton.md").read_text()
+    doc = (ROOT / "README.md").read_text()
     assert triton_params.markdown_table() in doc, "regenerate: python -m trtllm_backend.triton_params"
 
 

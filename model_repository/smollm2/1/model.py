@@ -8,6 +8,7 @@ joins them all.
 
 import itertools
 import json
+import logging
 import math
 import os
 import queue
@@ -191,6 +192,8 @@ class LiveRequest:
 
 class TritonPythonModel:
     def initialize(self, args):
+        # The engine logs each morph action with its reason; send those lines to the server's log.
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[morphserve] %(levelname)s %(name)s: %(message)s")
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("smollm2 streams responses: set model_transaction_policy decoupled")
