@@ -57,7 +57,9 @@ def test_every_request_accounted(quick_report):
             if r["status"] == "ok":
                 # Forced output length; one INT4 count per token; times in order.
                 assert len(r["token_s"]) == r["max_tokens"] == len(r["int4_layers"])
-                assert r["send_s"] <= r["first_token_s"] <= r["token_s"][-1] <= r["end_s"] + 1e-6
+                eps = 1e-4  # records keep times rounded to 0.1 ms
+                assert r["send_s"] <= r["first_token_s"] + eps and r["first_token_s"] <= r["token_s"][-1] + eps
+                assert r["token_s"][-1] <= r["end_s"] + eps
         if policy == "full":
             assert all(k == 0 for r in recs for k in r["int4_layers"])
             assert s["full_precision_share"] == 1.0
