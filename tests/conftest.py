@@ -3,10 +3,11 @@ free ports, with a small KV pool and short intervals so the suite stays fast).""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from trtllm_backend.serve import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,15 +26,6 @@ TEST_SERVER_PARAMS = {
 }
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,24 +1,16 @@
 """A fresh tritonserver per policy run, on free ports (trtllm_backend.serve.launch), and waiting for it to idle."""
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 from replay_prompts import REPO_ROOT
 
+from trtllm_backend.serve import free_ports
+
 DYNAMIC = ("accuracy", "balanced", "performance")
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def slug(policy: str) -> str:

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -40,6 +41,18 @@ class TritonInstall:
     backend_dir: Path | None  # a ready backend directory (NGC), or None: we build one from the parts below
     python_backend: Path | None = None  # folder with libtriton_python.so and triton_python_backend_utils.py
     stub: Path | None = None  # triton_python_backend_stub for the running Python
+
+
+def free_ports(n: int) -> list[int]:
+    """n TCP ports free right now (for servers started side by side: tests, benchmarks)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def find_triton() -> TritonInstall:
