@@ -4,7 +4,8 @@ import pytest
 from trtllm_backend.controller import Controller, Signals, parse_forced, parse_policy
 
 
-def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=0.0):
+def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None):
+    head_wait = (1.0 if blocked else 0.0) if head_wait is None else head_wait
     return Signals(now=t, waiting=waiting, head_wait_s=head_wait, kv_usage=usage, admission_blocked=blocked,
                    new_preemptions=preempt, head_blocks_short=40 if blocked else 0, blocks_per_layer=16,
                    int4_layers=int4, usage_after_shrink=after)
@@ -87,3 +88,17 @@ def test_forced_actions_parse():
     assert (f[5].kind, f[5].layers, f[40].kind, f[40].layers) == ("down", 3, "up", 2)
     with pytest.raises(ValueError, match="MORPHSERVE_FORCE_MORPH"):
         parse_forced("sideways@3")
+
+
+def test_a_queue_without_kv_shortage_is_not_pressure():
+    """Requests wait because iterations are slow or the batch is full, with KV to spare: quantizing buys
+    nothing, so the controller must not act (it used to swap down and up on every arrival)."""
+    c = Controller(parse_policy("performance", 30))
+    trace = [dict(waiting=3, usage=0.2, head_wait=0.6, after=0.25) if i % 10 < 3 else dict(usage=0.2, after=0.25)
+             for i in range(400)]
+    assert run(c, trace) == (0, [])
+
+
+def test_a_short_kv_wait_below_the_threshold_is_tolerated():
+    c = Controller(parse_policy("balanced", 30))
+    assert run(c, [dict(waiting=2, blocked=True, head_wait=0.1)] * 50) == (0, [])

@@ -20,8 +20,8 @@ class MorphPolicy:
     static_int4_layers: int = 0  # static policies: layers quantized at load and kept so
     layers_per_action: int = 2
     max_int4_layers: int = 20
-    down_kv_usage: float = 0.90  # KV usage that, with requests waiting, counts as pressure
-    down_queue_wait_s: float = 0.5  # head-of-queue wait that counts as pressure
+    down_kv_usage: float = 0.90  # KV usage that, with requests waiting, means the KV cache is short
+    down_queue_wait_s: float = 0.5  # how long the head of the queue must wait for KV blocks to count as pressure
     down_persist: int = 2  # consecutive pressured iterations before swapping down
     up_kv_usage: float = 0.50  # restore only if usage stays below this after the shrink
     up_quiet_s: float = 2.0  # seconds without pressure before restoring
@@ -134,14 +134,14 @@ class Controller:
             return None
         p = self.policy
         why = []
-        if s.waiting and s.admission_blocked:
-            why.append(f"admission blocked, {s.waiting} waiting")
-        if s.waiting and s.head_wait_s >= p.down_queue_wait_s:
-            why.append(f"head of queue waited {s.head_wait_s:.2f}s")
+        # NOTE: morphing only buys KV blocks, so only a KV shortage counts as pressure. A queue that waits
+        # because an iteration is slow (or the batch is full) is not helped by quantizing, and reacting to it
+        # made the server swap down and up on every arrival.
+        kv_short = s.waiting and (s.admission_blocked or s.kv_usage >= p.down_kv_usage)
+        if kv_short and s.head_wait_s >= p.down_queue_wait_s:
+            why.append(f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})")
         if s.new_preemptions:
             why.append(f"{s.new_preemptions} preemption(s)")
-        if s.waiting and s.kv_usage >= p.down_kv_usage:
-            why.append(f"KV usage {s.kv_usage:.0%}")
         if why:
             self.pressure_streak += 1
             self.last_pressure = s.now
