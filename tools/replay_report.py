@@ -14,10 +14,12 @@ TARGETS = {"violation_cut": 0.90, "p95_ratio": 2.5, "quality_share": 1 / 3, "sat
 @dataclass(slots=True)
 class PolicyRow:
     policy: str
-    summary: rm.Summary
-    unloaded_ttft_s: float
+    summary: rm.Summary  # judged by the SLO shared by every run
+    unloaded_ttft_s: float  # this run's own probes
     peak_kv_blocks: float
     base_kv_blocks: float
+    own_slo_s: float  # from this run's probes alone
+    own_violation_rate: float  # judged by that instead
     weighted_ppl: float = math.nan
     quality_loss: float = math.nan
 
@@ -26,10 +28,11 @@ def peak(samples: list[dict], key: str) -> float:
     return max((s[key] for s in samples if key in s), default=math.nan)
 
 
-def make_row(policy: str, result, slo: rm.Slo, ppl_at: dict[int, float] | None) -> PolicyRow:
+def make_row(policy: str, result, slo: rm.Slo, own: rm.Slo, ppl_at: dict[int, float] | None) -> PolicyRow:
     s = rm.summarize(result.records, slo)
     row = PolicyRow(policy, s, statistics.median(result.unloaded_ttft_s) if result.unloaded_ttft_s else math.nan,
-                    peak(result.samples, "kv_blocks"), peak(result.samples, "kv_capacity"))
+                    peak(result.samples, "kv_blocks"), peak(result.samples, "kv_capacity"), own.ttft_s,
+                    rm.summarize(result.records, own).slo_violation_rate)
     if ppl_at:
         try:
             row.weighted_ppl = rm.weighted_perplexity(result.records, ppl_at)
@@ -46,7 +49,7 @@ def _f(x: float, spec: str, scale: float = 1.0, suffix: str = "") -> str:
 def table(rows: list[PolicyRow]) -> str:
     head = ("| policy | SLO violations | TTFT P50 / P95 / P99 (s) | TPOT P99 (ms) | req/s | output tok/s | "
             "peak KV blocks (x full) | INT4 layers / token | quality: ppl (loss) | tokens at full precision | "
-            "done / rejected / failed | unloaded TTFT (s) |")
+            "done / rejected / failed | own unloaded TTFT (s) | violations at own SLO |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         s = r.summary
@@ -54,11 +57,12 @@ def table(rows: list[PolicyRow]) -> str:
             if r.base_kv_blocks and not math.isnan(r.base_kv_blocks) else _f(r.peak_kv_blocks, ".0f")
         quality = "n/a" if math.isnan(r.weighted_ppl) else f"{r.weighted_ppl:.3f} ({r.quality_loss:+.2%})"
         lines.append(
-            f"| {r.policy} | {_f(s.slo_violation_rate, '.1%')} | {_f(s.ttft.p50, '.2f')} / {_f(s.ttft.p95, '.2f')} / "
-            f"{_f(s.ttft.p99, '.2f')} | {_f(s.tpot.p99, '.0f', 1e3)} | {_f(s.request_throughput, '.3f')} | "
-            f"{_f(s.output_throughput, '.2f')} | {kv} | {_f(s.mean_int4_layers, '.2f')} | {quality} | "
-            f"{_f(s.full_precision_share, '.1%')} | {s.completed} / {s.rejected} / {s.failed} | "
-            f"{_f(r.unloaded_ttft_s, '.2f')} |")
+            f"| {r.policy} | {_f(s.slo_violation_rate, '.1%')} | "
+            f"{_f(s.ttft.p50, '.2f')} / {_f(s.ttft.p95, '.2f')} / {_f(s.ttft.p99, '.2f')} | "
+            f"{_f(s.tpot.p99, '.0f', 1e3)} | {_f(s.request_throughput, '.3f')} | {_f(s.output_throughput, '.2f')} | "
+            f"{kv} | {_f(s.mean_int4_layers, '.2f')} | {quality} | {_f(s.full_precision_share, '.1%')} | "
+            f"{s.completed} / {s.rejected} / {s.failed} | {_f(r.unloaded_ttft_s, '.2f')} | "
+            f"{_f(r.own_violation_rate, '.1%')} (SLO {r.own_slo_s:.2f} s) |")
     return "\n".join(lines)
 
 
@@ -72,10 +76,11 @@ def targets(rows: list[PolicyRow], dynamic: str = "balanced", saturation: dict |
     if full is None or dyn is None:
         return f"Targets: need both `full` and `{dynamic}` in the run."
     out = [f"| target ({dynamic} vs full) | wanted | measured | |", "|---|---|---|---|"]
-    vf, vd = full.summary.slo_violation_rate, dyn.summary.slo_violation_rate
-    cut = (1 - vd / vf) if vf > 0 else math.nan
-    out.append(f"| SLO violations cut | >= {TARGETS['violation_cut']:.0%} | {_f(cut, '.1%')} ({vf:.1%} -> {vd:.1%}) | "
-               f"{_verdict(None if math.isnan(cut) else cut >= TARGETS['violation_cut'])} |")
+    for label, vf, vd in (("SLO violations cut", full.summary.slo_violation_rate, dyn.summary.slo_violation_rate),
+                          ("... each at its own run's SLO", full.own_violation_rate, dyn.own_violation_rate)):
+        cut = (1 - vd / vf) if vf > 0 else math.nan
+        out.append(f"| {label} | >= {TARGETS['violation_cut']:.0%} | {_f(cut, '.1%')} ({vf:.1%} -> {vd:.1%}) | "
+                   f"{_verdict(None if math.isnan(cut) else cut >= TARGETS['violation_cut'])} |")
     ratio = full.summary.ttft.p95 / dyn.summary.ttft.p95 if dyn.summary.ttft.p95 > 0 else math.nan
     out.append(f"| P95 TTFT lower by | >= {TARGETS['p95_ratio']:g}x | {_f(ratio, '.2f', suffix='x')} "
                f"({full.summary.ttft.p95:.2f} s -> {dyn.summary.ttft.p95:.2f} s) | "
