@@ -137,8 +137,10 @@ PARAMS: tuple[Param, ...] = (
       for name, kind, doc, check in (
         ("layers_per_action", "int", "Layers swapped per morph action.", at_least(1)),
         ("max_int4_layers", "int", "Most layers quantized at once.", at_least(0)),
-        ("down_kv_usage", "float", "KV usage that, with requests waiting, counts as pressure.", in_half_open(0.0, 1.0)),
-        ("down_queue_wait_s", "float", "Head-of-queue wait (s) that counts as pressure.", at_least(0.0)),
+        ("down_kv_usage", "float", "KV usage at which, with requests waiting, the cache counts as short.",
+         in_half_open(0.0, 1.0)),
+        ("down_queue_wait_s", "float", "Seconds the head of the queue must wait for KV blocks to count as pressure.",
+         at_least(0.0)),
         ("down_persist", "int", "Pressured iterations in a row before swapping down.", at_least(1)),
         ("up_kv_usage", "float", "Restore only while KV usage stays below this (below morph_down_kv_usage).",
          in_half_open(0.0, 1.0)),
