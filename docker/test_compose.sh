@@ -149,6 +149,11 @@ $COMPOSE up -d --wait --wait-timeout 600 --no-build triton \
   || { $COMPOSE logs --no-color | tail -60; exit 1; }
 UP_S=$(printf '%.1f' "$(echo "$(date +%s.%N) - $tu" | bc)")
 log "compose up -> healthy (ready) in ${UP_S}s on ports $HTTP/$GRPC/$METRICS"
+if $COMPOSE logs --no-color triton 2>&1 | grep -q "C++ CPU kernels not in use"; then
+  log "the image serves on torch ops: $($COMPOSE logs --no-color triton 2>&1 | grep -o 'C++ CPU kernels not in use.*' | head -1)"
+else
+  log "the image serves with the C++ CPU kernels"
+fi
 "$PY" docker/smoke_client.py check --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
 # The answers must come from *this* container: it is running and never restarted (no port clash, no crash).
 container_ok() {

@@ -3,7 +3,9 @@
 The engine flattens every scheduled token of an iteration into one [T, ...] batch so the matmuls run once;
 only attention is per sequence group: all decode sequences (one new token each) in one padded, masked SDPA,
 and each prefill chunk on its own (causal, with earlier context gathered from the pool when there is some).
-The plan is built once per iteration and reused by every layer.
+The plan is built once per iteration and reused by every layer. On the CPU with an fp32 pool the decode group
+runs in one C++ op (csrc/paged_decode_attention.cpp) that reads K/V in place from the segments; elsewhere,
+or without the built kernels, it is the torch path below.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_backend.kv_cache import KVPool
+
+from . import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -46,6 +50,21 @@ def _split_by_segment(pool: KVPool, slots: torch.Tensor) -> list[Piece]:
     return pieces
 
 
+def _segment_and_local(pool: KVPool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global slot ids -> (segment index, slot within that segment), same shape."""
+    starts = torch.tensor([s.base * pool.block_size for s in pool.segments], dtype=torch.long)
+    which = torch.bucketize(slots, starts[1:], right=True)
+    return which, slots - starts[which]
+
+
+def _kernel_decode(pool: KVPool):
+    """The C++ decode attention op where it applies (CPU, fp32 pool, kernels built), else None."""
+    if pool.dtype != torch.float32 or pool.segments[0].kv.is_cuda:
+        return None
+    ns = cpu_kernels.ops()
+    return None if ns is None else ns.paged_decode_attention
+
+
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(start, end)
     blocks = torch.tensor(block_table, dtype=torch.long)[pos // block_size]
@@ -66,6 +85,10 @@ class AttentionPlan:
         self.decode_len = max((s.ctx_len for s in dec), default=0)
         self.decode_gather: list[Piece] = []
         self.decode_mask: torch.Tensor | None = None
+        # For the C++ op: (op, segment tensors, segment of each position [B, L], local slot [B, L], lengths [B]).
+        self.decode_kernel: tuple | None = None
+        # Decode rows are exactly 0..T-1 (a pure decode step): the op's output is the whole attention output.
+        self.decode_only = len(dec) == len(seqs) and all(s.start == i for i, s in enumerate(dec))
         if dec:
             L = self.decode_len
             lens = torch.tensor([s.ctx_len for s in dec])
@@ -78,8 +101,11 @@ class AttentionPlan:
                 n = (s.ctx_len + bs - 1) // bs
                 tables[i, :n] = torch.tensor(s.block_table[:n])
             slots = torch.gather(tables, 1, clamped // bs) * bs + clamped % bs
-            self.decode_gather = _split_by_segment(pool, slots.flatten())
-            self.decode_mask = None if bool(valid.all()) else valid[:, None, None, :]
+            if (op := _kernel_decode(pool)) is not None:
+                self.decode_kernel = (op, [seg.kv for seg in pool.segments], *_segment_and_local(pool, slots), lens)
+            else:
+                self.decode_gather = _split_by_segment(pool, slots.flatten())
+                self.decode_mask = None if bool(valid.all()) else valid[:, None, None, :]
         # Prefill chunks: causal over new tokens, plus earlier context read back from the pool.
         self.prefills: list[tuple[SeqSlice, list[Piece] | None, torch.Tensor | None]] = []
         for s in seqs:
@@ -110,8 +136,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     for kv, rows, local in plan.write:
         kv[layer, 0].index_copy_(0, local, k if rows is None else k[rows])
         kv[layer, 1].index_copy_(0, local, v if rows is None else v[rows])
-    out = torch.empty_like(q)
     T, H, D = q.shape
+    if plan.decode_kernel is not None:
+        op, segments, segment_of, slot_of, lens = plan.decode_kernel
+        if plan.decode_only:
+            return op(q, segments, segment_of, slot_of, lens, layer, D**-0.5)
+        out = torch.empty_like(q)
+        o = op(q.index_select(0, plan.decode_rows), segments, segment_of, slot_of, lens, layer, D**-0.5)
+        out.index_copy_(0, plan.decode_rows, o)
+    else:
+        out = torch.empty_like(q)
     if plan.decode_gather:
         B, L = plan.decode_rows.numel(), plan.decode_len
         keys = _gather(plan.decode_gather, layer, 0, B * L).view(B, L, -1, D).transpose(1, 2)

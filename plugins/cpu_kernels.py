@@ -1,0 +1,101 @@
+"""The project's C++ CPU kernels (plugins/csrc/): build them once, load them, say plainly when they are absent.
+
+- `morphserve::skinny_linear` (skinny_gemm.cpp): fp32 y = x @ W.T for decode batches (plugins/skinny_gemm.py).
+- `morphserve::paged_decode_attention` (paged_decode_attention.cpp): decode attention read in place from the
+  KV pool's segments (plugins/paged_attention.py).
+
+They are compiled with the platform's C++ compiler into `build/kernels/` by `python -m plugins.cpu_kernels`
+(the set-up step runs it; a no-op when up to date). Where they are not built, cannot be loaded, or the CPU
+lacks AVX2/FMA, callers fall back to the torch ops and one log line says why. `MORPHSERVE_CPU_KERNELS=0`
+turns them off (the torch reference path).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp"]
+BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
+LIBRARY_NAME = "morphserve_kernels"
+_ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)
+_lock = threading.Lock()
+
+
+def unsupported_reason() -> str | None:
+    """None when this CPU can run the kernels, else why not."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "cannot read /proc/cpuinfo"
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def library_path() -> Path:
+    return BUILD_DIR / f"{LIBRARY_NAME}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels into BUILD_DIR (a no-op when up to date) and return the library's path."""
+    from torch.utils import cpp_extension
+
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], build_directory=str(BUILD_DIR),
+                       is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], verbose=verbose)
+    return library_path()
+
+
+def ops():
+    """`torch.ops.morphserve` once the library is loaded, or None (logged once) when the kernels are unusable."""
+    if "ns" in _ops:
+        return _ops["ns"]
+    with _lock:
+        if "ns" in _ops:
+            return _ops["ns"]
+        ns, why = None, None
+        if os.environ.get("MORPHSERVE_CPU_KERNELS", "1") == "0":
+            why = "MORPHSERVE_CPU_KERNELS=0"
+        else:
+            why = unsupported_reason()
+        lib = library_path()
+        if why is None and not lib.exists():
+            why = f"{lib} is not built (python -m plugins.cpu_kernels)"
+        if why is None:
+            try:
+                torch.ops.load_library(str(lib))
+                ns = torch.ops.morphserve
+            except (OSError, RuntimeError) as e:
+                why = f"cannot load {lib}: {e}"
+        if why:
+            log.warning("C++ CPU kernels not in use, decode runs on torch ops (MKL matmuls, SDPA): %s", why)
+        _ops["ns"] = ns
+        return ns
+
+
+def main(argv=None) -> int:
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description="Build the C++ CPU kernels into build/kernels/ (no-op when up to date).")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    if (why := unsupported_reason()) is not None:
+        print(f"[kernels] not built: {why}; decode runs on torch ops")
+        return 0
+    t = time.perf_counter()
+    print("[kernels] building the C++ CPU kernels (a no-op when up to date) ...", flush=True)
+    path = build(args.verbose)
+    print(f"[kernels] {path.name} ready in build/kernels/ ({time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

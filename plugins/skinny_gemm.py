@@ -1,0 +1,26 @@
+"""Dense linear dispatch: the C++ skinny GEMM for fp32 CPU decode batches, `F.linear` (MKL) otherwise.
+
+On this AVX2 CPU MKL's sgemm reaches about half the memory bandwidth at batch 1 and slows down per row at
+batch 2-32, while a decode step's matmuls are bound by reading the weights once. The kernel
+(csrc/skinny_gemm.cpp) reads each weight row once and reuses it from L1 for every row of the batch;
+`tools/bench_engine.py` prints both. Above `MAX_ROWS` rows (prefill chunks) MKL is faster and is used.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels
+
+# NOTE: rows of x up to which the kernel beats MKL here (measured crossover ~64 rows for SmolLM2's shapes).
+MAX_ROWS = 48
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T."""
+    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 \
+            and not x.is_cuda:
+        ns = cpu_kernels.ops()
+        if ns is not None:
+            return ns.skinny_linear(x, weight)
+    return F.linear(x, weight)

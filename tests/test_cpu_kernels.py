@@ -1,0 +1,153 @@
+"""The C++ CPU kernels against the torch ops they replace: values, batch independence, bad input, fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugins import cpu_kernels, paged_attention, skinny_gemm
+from trtllm_backend.kv_cache import KVPool
+from trtllm_backend.manifest import ModelConfig
+
+ns = cpu_kernels.ops()
+needs_kernels = pytest.mark.skipif(ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built'}")
+
+
+def test_kernels_are_built_where_the_cpu_supports_them():
+    # The set-up step builds them; a missing library on an AVX2 machine would silently cost 1.5-2x in decode.
+    if cpu_kernels.unsupported_reason() is None:
+        assert ns is not None, f"{cpu_kernels.library_path()} missing: run python -m plugins.cpu_kernels"
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 33])
+@pytest.mark.parametrize("n,k", [(960, 576), (13, 576), (5, 1536), (7, 13), (1, 8)])
+def test_skinny_linear_matches_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    ref = (x.double() @ w.double().t()).float()
+    got = ns.skinny_linear(x, w)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@needs_kernels
+def test_skinny_linear_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 576, generator=g), torch.randn(100, 576, generator=g)
+    batched = ns.skinny_linear(x, w)
+    for i in range(9):
+        assert torch.equal(ns.skinny_linear(x[i : i + 1], w), batched[i : i + 1])
+
+
+@needs_kernels
+def test_skinny_linear_takes_strided_input():
+    x = torch.randn(4, 1152)[:, ::2]
+    w = torch.randn(6, 576)
+    torch.testing.assert_close(ns.skinny_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad,match", [
+    (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(3, 9)), "8 features, weight expects 9"),
+    (lambda: ns.skinny_linear(torch.randn(2, 8).double(), torch.randn(3, 8)), "fp32 input and weight"),
+    (lambda: ns.skinny_linear(torch.randn(2, 3, 8), torch.randn(3, 8)), "2-D input"),
+    (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(8, 3).t()), "contiguous 2-D weight"),
+])
+def test_skinny_linear_rejects_bad_input(bad, match):
+    with pytest.raises(RuntimeError, match=match):
+        bad()
+
+
+def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs():
+    w = torch.randn(16, 32)
+    for x in (torch.randn(skinny_gemm.MAX_ROWS + 1, 32), torch.randn(2, 32).to(torch.bfloat16)):
+        ww = w.to(x.dtype)
+        torch.testing.assert_close(skinny_gemm.linear(x, ww), F.linear(x, ww))
+
+
+# ---- paged decode attention ----------------------------------------------------------------------------------
+
+CFG = ModelConfig(vocab_size=16, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
+                  head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
+
+
+def _pool_with_sequences(lens: list[int], segments: tuple[int, ...] = (6, 8, 7)) -> tuple[KVPool, list[list[int]]]:
+    """A pool of several segments, random K/V, and one block table per sequence spread over the segments."""
+    torch.manual_seed(1)
+    pool = KVPool(CFG, block_size=4, dtype=torch.float32)
+    for n in segments:
+        pool.add_segment(n)
+    for seg in pool.segments:
+        seg.kv.copy_(torch.randn_like(seg.kv))
+    tables = []
+    for n in lens:
+        blocks = pool.allocate((n + 3) // 4)
+        assert blocks is not None
+        tables.append(blocks)
+    return pool, tables
+
+
+def _attention(pool, tables, lens, q, use_kernel: bool, monkeypatch) -> torch.Tensor:
+    """Decode attention through the plan: the C++ op or the torch reference path."""
+    if not use_kernel:
+        monkeypatch.setattr(paged_attention, "_kernel_decode", lambda pool: None)
+    seqs = [paged_attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
+    plan = paged_attention.AttentionPlan(pool, seqs)
+    assert (plan.decode_kernel is not None) == use_kernel
+    layer = 1
+    # The new token's K/V: what the pool already holds at its slot, so both paths see the same cache.
+    kv = [pool.segment_of(t[(n - 1) // 4]) for t, n in zip(tables, lens)]
+    k = torch.stack([s.kv[layer, 0, (t[(n - 1) // 4] - s.base) * 4 + (n - 1) % 4] for s, t, n in zip(kv, tables, lens)])
+    v = torch.stack([s.kv[layer, 1, (t[(n - 1) // 4] - s.base) * 4 + (n - 1) % 4] for s, t, n in zip(kv, tables, lens)])
+    out = paged_attention.paged_attention(q, k, v, layer, plan)
+    monkeypatch.undo()
+    return out
+
+
+@needs_kernels
+def test_decode_attention_matches_torch_across_segments_and_lengths(monkeypatch):
+    lens = [1, 5, 17, 9, 30]
+    pool, tables = _pool_with_sequences(lens)
+    assert len({pool.segment_of(b).base for t in tables for b in t}) > 1  # the test spans segments
+    q = torch.randn(len(lens), CFG.num_heads, CFG.head_dim)
+    got = _attention(pool, tables, lens, q, True, monkeypatch)
+    ref = _attention(pool, tables, lens, q, False, monkeypatch)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_decode_attention_of_a_sequence_does_not_depend_on_the_batch(monkeypatch):
+    lens = [3, 11, 26]
+    pool, tables = _pool_with_sequences(lens)
+    q = torch.randn(len(lens), CFG.num_heads, CFG.head_dim)
+    batched = _attention(pool, tables, lens, q, True, monkeypatch)
+    for i in range(len(lens)):
+        alone = _attention(pool, [tables[i]], [lens[i]], q[i : i + 1], True, monkeypatch)
+        assert torch.equal(alone, batched[i : i + 1])
+
+
+@needs_kernels
+def test_decode_attention_rejects_out_of_pool_slots():
+    kv = torch.zeros(2, 2, 8, 2, 8)
+    q = torch.zeros(1, 6, 8)
+    seg, lens = torch.zeros(1, 4, dtype=torch.long), torch.tensor([4])
+    with pytest.raises(RuntimeError, match="points outside the pool"):
+        ns.paged_decode_attention(q, [kv], seg, torch.tensor([[0, 1, 2, 99]]), lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match="length 5 of row 0"):
+        ns.paged_decode_attention(q, [kv], seg, torch.zeros(1, 4, dtype=torch.long), torch.tensor([5]), 0, 1.0)
+    with pytest.raises(RuntimeError, match="layer 2 out of range"):
+        ns.paged_decode_attention(q, [kv], seg, torch.zeros(1, 4, dtype=torch.long), lens, 2, 1.0)
+    with pytest.raises(RuntimeError, match="do not group"):
+        ns.paged_decode_attention(torch.zeros(1, 5, 8), [kv], seg, torch.zeros(1, 4, dtype=torch.long), lens, 0, 1.0)
+
+
+def test_disabled_kernels_fall_back_with_a_reason(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "_ops", {})
+    monkeypatch.setenv("MORPHSERVE_CPU_KERNELS", "0")
+    with caplog.at_level("WARNING"):
+        assert cpu_kernels.ops() is None
+    assert "MORPHSERVE_CPU_KERNELS=0" in caplog.text
+    x, w = torch.randn(2, 32), torch.randn(4, 32)
+    torch.testing.assert_close(skinny_gemm.linear(x, w), F.linear(x, w))
