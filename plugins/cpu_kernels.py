@@ -21,7 +21,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp"]
+SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp"]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY_NAME = "morphserve_kernels"
 _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)

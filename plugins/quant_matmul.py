@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import cpu_kernels, skinny_gemm
+
 # NOTE: must divide every input dim (SmolLM2's 576 rules out 128). 32 over 64: held-out perplexity with all 30
 # layers INT4 (AWQ) 32.0 vs 34.1 (full 30.2) for 11% more INT4 bytes; the kernels run at the same speed.
 GROUP_SIZE = 32
@@ -91,13 +93,20 @@ def _bf16_call(fn, x: Tensor, out_features: int) -> Tensor:
 
 
 class Int4Linear:
-    """INT4 weight-only linear: y = x @ W^T, fp32 in and out, bf16 inside the kernel.
+    """INT4 weight-only linear: y = x @ W^T, fp32 in and out.
 
-    NOTE: it keeps only the platform-packed weight (the portable nibbles are dropped after packing, so the
-    resident bytes are not doubled); files are written from `quantize_int4`'s dict, the portable form.
+    Kernels, by platform:
+    - CPU with the project's C++ kernels (plugins/cpu_kernels.py): `morphserve::int4_linear` on the portable
+      nibbles, fp32 activations; decode reads 4.5 bits per weight, prefill dequantizes and runs MKL (about
+      fp32's speed, where torch's int4 kernel is 2.4x slower at 512 rows).
+    - CPU without them: torch's `_weight_int4pack_mm_for_cpu`, bf16 activations.
+    - CUDA: torch's tinygemm `_weight_int4pack_mm` (untested here).
+    NOTE: it keeps one resident form of the weight (nibbles or a platform packing, the same bytes), never both;
+    files are written from `quantize_int4`'s dict, the portable form.
     """
 
-    __slots__ = ("in_features", "out_features", "group_size", "_packed", "_scales_zeros", "_pre_scale", "_mm")
+    __slots__ = ("in_features", "out_features", "group_size", "_packed", "_scales_zeros", "_pre_scale", "_mm",
+                 "_cpp")
 
     def __init__(self, tensors: dict[str, Tensor], prefix: str = ""):
         qweight = tensors[prefix + "qweight"].contiguous()  # its device decides the kernel
@@ -107,7 +116,12 @@ class Int4Linear:
         pre = tensors.get(prefix + "pre_scale")
         self._pre_scale = None if pre is None else pre.to(torch.float32).contiguous()
         self._scales_zeros = sz.to(torch.bfloat16).contiguous()
-        if qweight.is_cuda:
+        self._cpp = None if qweight.is_cuda else cpu_kernels.ops()
+        if self._cpp is not None:
+            self._packed = qweight
+            self._scales_zeros = self._scales_zeros.transpose(0, 1).contiguous()  # per output row: [out, in/G, 2]
+            self._mm = None
+        elif qweight.is_cuda:
             # NOTE: untested here (no GPU on the dev machine): gpt-fast's CUDA path. Its layout tiles K by
             # innerKTiles*16; take the largest innerKTiles that divides K (576 allows 4, not 8).
             inner = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
@@ -133,6 +147,11 @@ class Int4Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self._pre_scale is not None:
             x = x * self._pre_scale
+        if self._cpp is not None:
+            lead = x.shape[:-1]
+            y = self._cpp.int4_linear(x.reshape(-1, self.in_features).float(), self._packed, self._scales_zeros,
+                                      self.group_size, skinny_gemm.MAX_ROWS)
+            return y.reshape(*lead, self.out_features)
         return _bf16_call(lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros),
                           x, self.out_features)
 

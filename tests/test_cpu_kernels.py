@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plugins import cpu_kernels, paged_attention, skinny_gemm
+from plugins import cpu_kernels, paged_attention, quant_matmul, skinny_gemm
 from trtllm_backend.kv_cache import KVPool
 from trtllm_backend.manifest import ModelConfig
 
@@ -64,6 +64,67 @@ def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs():
     for x in (torch.randn(skinny_gemm.MAX_ROWS + 1, 32), torch.randn(2, 32).to(torch.bfloat16)):
         ww = w.to(x.dtype)
         torch.testing.assert_close(skinny_gemm.linear(x, ww), F.linear(x, ww))
+
+
+# ---- INT4 linear ----------------------------------------------------------------------------------------------
+
+def _int4(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = quant_matmul.quantize_int4(torch.randn(n, k, generator=g) * 0.02)
+    return t["qweight"], t["scales_zeros"].transpose(0, 1).contiguous(), quant_matmul.dequantize_int4(t)
+
+
+@needs_kernels
+def test_int4_dequantize_gives_the_reference_weights():
+    q, sz, ref = _int4(100, 576)
+    torch.testing.assert_close(ns.int4_dequantize(q, sz, 32), ref, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 16, skinny_gemm.MAX_ROWS, skinny_gemm.MAX_ROWS + 1, 130])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 1536), (1, 32)])
+def test_int4_linear_matches_the_dequantized_matmul(m, n, k):
+    q, sz, ref = _int4(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    want = (x.double() @ ref.double().t()).float()
+    got = ns.int4_linear(x, q, sz, 32, skinny_gemm.MAX_ROWS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit():
+    q, sz, _ = _int4(50, 576)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(3))
+    batched = ns.int4_linear(x, q, sz, 32, skinny_gemm.MAX_ROWS)  # the dequantized-block path
+    for i in range(9):  # one row: the in-register path
+        assert torch.equal(ns.int4_linear(x[i : i + 1], q, sz, 32, skinny_gemm.MAX_ROWS), batched[i : i + 1])
+
+
+@needs_kernels
+def test_int4_linear_rejects_bad_input():
+    q, sz, _ = _int4(8, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="input has 32 features, weight expects 64"):
+        ns.int4_linear(torch.randn(2, 32), q, sz, 32, 48)
+    with pytest.raises(RuntimeError, match="group size 24"):
+        ns.int4_linear(x, q, sz, 24, 48)
+    with pytest.raises(RuntimeError, match=r"scales_zeros \[N, K/G, 2\]"):
+        ns.int4_linear(x, q, sz.transpose(0, 1).contiguous(), 32, 48)
+    with pytest.raises(RuntimeError, match="fp32 input"):
+        ns.int4_linear(x.double(), q, sz, 32, 48)
+
+
+@needs_kernels
+def test_int4_operator_uses_the_kernel_and_agrees_with_torchs_bf16_kernel(monkeypatch):
+    w = torch.randn(96, 576) * 0.02
+    ours = quant_matmul.Int4Linear.from_float(w)
+    assert ours._cpp is not None
+    monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
+    theirs = quant_matmul.Int4Linear.from_float(w)
+    assert theirs._cpp is None and ours.nbytes == theirs.nbytes  # one resident form either way
+    for m in (1, 8, 64):
+        x = torch.randn(m, 576)
+        torch.testing.assert_close(ours(x), theirs(x), rtol=2e-2, atol=1e-2)  # theirs rounds x and y to bf16 (outputs ~0.5)
 
 
 # ---- paged decode attention ----------------------------------------------------------------------------------

@@ -5,61 +5,15 @@
 // so the kernel reads each weight row once from memory and reuses it from L1 for every row of x: a block of
 // NT weight rows times MT rows of x is accumulated in NT*MT AVX2 registers, and the weight block stays hot in
 // L1 while all of x's row tiles pass over it. Threads split the output columns (torch's intra-op pool).
-// Every output element is summed in the same order whatever M is, so a row's result does not depend on the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
+#include "cpu_tile.h"
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// One MT x NT tile of y over the whole K.
-template <int MT, int NT>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t K) {
-  __m256 acc[MT][NT];
-#pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 xv[MT];
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
-#pragma GCC unroll 8
-    for (int n = 0; n < NT; ++n) {
-      const __m256 wv = _mm256_loadu_ps(w + n * ldw + k);
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) {
-      float s = hsum(acc[m][n]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * w[n * ldw + kk];
-      y[m * ldy + n] = s;
-    }
-}
-
-// Tile shape measured on the 2-core AVX2 machine against 2x4, 3x4 and 4x3 (fastest from batch 1 to 16):
-// 12 accumulators + 2 rows of x + 1 weight load = 15 of the 16 AVX2 registers.
-constexpr int kNT = 6;  // weight rows per block
-constexpr int kMT = 2;  // rows of x per register tile
-
-// All rows of x against weight rows [n, n + nt), nt <= kNT.
-template <int NT>
-inline void column_block(const float* x, int64_t M, const float* w, float* y, int64_t N, int64_t K) {
-  int64_t m = 0;
-  for (; m + kMT <= M; m += kMT) tile<kMT, NT>(x + m * K, K, w, K, y + m * N, N, K);
-  for (; m < M; ++m) tile<1, NT>(x + m * K, K, w, K, y + m * N, N, K);
-}
+using morphserve_cpu::kTileN;
+using morphserve_cpu::rows_times_block;
 
 at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
@@ -76,19 +30,19 @@ at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight) {
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + kNT - 1) / kNT;
+  const int64_t blocks = (N + kTileN - 1) / kTileN;
   // Grain: at least ~64 KB of weights per task so that thread hand-off stays negligible.
-  const int64_t grain = std::max<int64_t>(1, (16384 + kNT * K - 1) / (kNT * K));
+  const int64_t grain = std::max<int64_t>(1, (16384 + kTileN * K - 1) / (kTileN * K));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * kNT;
+      const int64_t n = b * kTileN;
       const float* w = wp + n * K;
       float* yb = yp + n;
-      const int64_t nt = std::min<int64_t>(kNT, N - n);
-      if (nt == kNT) {
-        column_block<kNT>(xp, M, w, yb, N, K);
+      const int64_t nt = std::min<int64_t>(kTileN, N - n);
+      if (nt == kTileN) {
+        rows_times_block<kTileN>(xp, M, w, K, yb, N, K);
       } else {
-        for (int64_t j = 0; j < nt; ++j) column_block<1>(xp, M, w + j * K, yb + j, N, K);
+        for (int64_t j = 0; j < nt; ++j) rows_times_block<1>(xp, M, w + j * K, K, yb + j, N, K);
       }
     }
   });
