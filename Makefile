@@ -31,9 +31,13 @@ quality: setup
 profile: setup
 	$(PY) tools/profile_layers.py
 
-# Trace replay: every policy on the default Azure-code window (results/replay/default/, ~25 min).
+# Trace replay: every policy on the default Azure-code window, then the saturation sweep (full, balanced) on its
+# second burst, then the report with both (results/replay/default/, ~40 min; docs/replay.md).
 replay: setup
-	$(PY) tools/compare_policies.py --name default
+	$(PY) tools/compare_policies.py --name default --no-progress
+	$(PY) tools/compare_policies.py --name default --policies full,balanced --window-start 2260 --window 50 \
+		--sweep 0.04,0.06,0.08,0.10,0.12 --no-progress
+	$(PY) tools/compare_policies.py --name default --report-only
 
 replay-quick: setup
 	$(PY) tools/compare_policies.py --quick
