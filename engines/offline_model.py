@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from plugins.elementwise import rms_norm
 from plugins.paged_attention import AttentionPlan, SeqSlice
 from trtllm_backend.fragments import FragmentStore
 from trtllm_backend.kv_cache import KVPool
-from trtllm_backend.layers import LayerWeights, rms_norm
+from trtllm_backend.layers import LayerWeights
 from trtllm_backend.manifest import FULL, Manifest
 from trtllm_backend.model import LlamaModel
 
@@ -50,7 +51,7 @@ class OfflineModel:
         B, L = ids.shape
         plan = self._plan(B, L)
         pos = torch.arange(L).repeat(B)
-        cos, sin = self.model.cos[pos][:, None, :], self.model.sin[pos][:, None, :]
+        cos, sin = self.model.cos[pos], self.model.sin[pos]
         h = F.embedding(ids.flatten(), self.model.embed)
         states = [h]
         for slot in self.model.slots:

@@ -1,8 +1,13 @@
 """The project's C++ CPU kernels (plugins/csrc/): build them once, load them, say plainly when they are absent.
 
 - `morphserve::skinny_linear` (skinny_gemm.cpp): fp32 y = x @ W.T for decode batches (plugins/skinny_gemm.py).
-- `morphserve::paged_decode_attention` (paged_decode_attention.cpp): decode attention read in place from the
-  KV pool's segments (plugins/paged_attention.py).
+- `morphserve::paged_decode_attention` and `paged_decode_attention_qkv` (paged_decode_attention.cpp): decode
+  attention read in place from the KV pool's segments; the second also applies RoPE and writes the new K/V
+  (plugins/paged_attention.py).
+- `morphserve::int4_linear` / `int4_dequantize` (int4_linear.cpp): INT4 fragments with fp32 activations
+  (plugins/quant_matmul.py).
+- `morphserve::rms_norm`, `add_rms_norm`, `silu_mul` (layer_elementwise.cpp): a layer's row-wise ops
+  (plugins/elementwise.py).
 
 They are compiled with the platform's C++ compiler into `build/kernels/` by `python -m plugins.cpu_kernels`
 (the set-up step runs it; a no-op when up to date). Where they are not built, cannot be loaded, or the CPU
@@ -21,7 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp"]
+SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp",
+           CSRC / "layer_elementwise.cpp"]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY_NAME = "morphserve_kernels"
 _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)

@@ -4,8 +4,9 @@ The engine flattens every scheduled token of an iteration into one [T, ...] batc
 only attention is per sequence group: all decode sequences (one new token each) in one padded, masked SDPA,
 and each prefill chunk on its own (causal, with earlier context gathered from the pool when there is some).
 The plan is built once per iteration and reused by every layer. On the CPU with an fp32 pool the decode group
-runs in one C++ op (csrc/paged_decode_attention.cpp) that reads K/V in place from the segments; elsewhere,
-or without the built kernels, it is the torch path below.
+runs in one C++ op (csrc/paged_decode_attention.cpp) that reads K/V in place from the segments; in a pure
+decode step that op also applies RoPE and writes the new K/V (`decode_attention_qkv`). Elsewhere, or without
+the built kernels, it is the torch path below.
 """
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ class AttentionPlan:
         self.decode_kernel: tuple | None = None
         # Decode rows are exactly 0..T-1 (a pure decode step): the op's output is the whole attention output.
         self.decode_only = len(dec) == len(seqs) and all(s.start == i for i, s in enumerate(dec))
+        # Pure decode on the C++ path: layers call decode_attention_qkv (RoPE, K/V write and attention in one op).
+        self.fused_decode = False
         if dec:
             L = self.decode_len
             lens = torch.tensor([s.ctx_len for s in dec])
@@ -103,6 +106,7 @@ class AttentionPlan:
             slots = torch.gather(tables, 1, clamped // bs) * bs + clamped % bs
             if (op := _kernel_decode(pool)) is not None:
                 self.decode_kernel = (op, [seg.kv for seg in pool.segments], *_segment_and_local(pool, slots), lens)
+                self.fused_decode = self.decode_only
             else:
                 self.decode_gather = _split_by_segment(pool, slots.flatten())
                 self.decode_mask = None if bool(valid.all()) else valid[:, None, None, :]
@@ -129,6 +133,16 @@ def _gather(pieces: list[Piece], layer: int, kv_index: int, n: int) -> torch.Ten
     for kv, rows, local in pieces:
         out.index_copy_(0, rows, kv[layer, kv_index].index_select(0, local))
     return out
+
+
+def decode_attention_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, plan: AttentionPlan,
+                         num_heads: int) -> torch.Tensor:
+    """A pure decode step (`plan.fused_decode`): qkv [B, (H + 2 KVH) * D] from the fused projection, cos/sin
+    [B, D/2] -> attention output [B, H * D]; RoPE and the pool write of the new K/V happen inside the op."""
+    _, segments, segment_of, slot_of, lens = plan.decode_kernel
+    head_dim = plan.pool.config.head_dim
+    return cpu_kernels.ops().paged_decode_attention_qkv(qkv, cos, sin, segments, segment_of, slot_of, lens, layer,
+                                                        head_dim**-0.5, num_heads)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: AttentionPlan) -> torch.Tensor:

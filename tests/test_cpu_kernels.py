@@ -204,6 +204,105 @@ def test_decode_attention_rejects_out_of_pool_slots():
         ns.paged_decode_attention(torch.zeros(1, 5, 8), [kv], seg, torch.zeros(1, 4, dtype=torch.long), lens, 0, 1.0)
 
 
+def _fused_inputs(lens: list[int], seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    B, H, KVH, D = len(lens), CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=g)
+    angles = torch.rand(B, D // 2, generator=g) * 6
+    return qkv, angles.cos(), angles.sin()
+
+
+def _decode_plan(pool, tables, lens):
+    seqs = [paged_attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
+    return paged_attention.AttentionPlan(pool, seqs)
+
+
+@needs_kernels
+def test_fused_decode_attention_equals_rope_then_pool_write_then_attention(monkeypatch):
+    from trtllm_backend.layers import apply_rope
+
+    lens, layer = [1, 5, 17, 9, 30], 1
+    H, KVH, D = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    qkv, cos, sin = _fused_inputs(lens)
+    # Reference: torch RoPE, the plan's torch pool write, the torch attention, on an identical pool.
+    ref_pool, tables = _pool_with_sequences(lens)
+    monkeypatch.setattr(paged_attention, "_kernel_decode", lambda pool: None)
+    ref_plan = _decode_plan(ref_pool, tables, lens)
+    assert not ref_plan.fused_decode
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=1)
+    ref = paged_attention.paged_attention(apply_rope(q.view(-1, H, D), cos, sin), apply_rope(k.view(-1, KVH, D), cos, sin),
+                                          v.reshape(-1, KVH, D), layer, ref_plan).reshape(len(lens), H * D)
+    monkeypatch.undo()
+    pool, tables2 = _pool_with_sequences(lens)
+    assert tables2 == tables
+    plan = _decode_plan(pool, tables, lens)
+    assert plan.fused_decode
+    got = paged_attention.decode_attention_qkv(qkv, cos, sin, layer, plan, H)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for seg, ref_seg in zip(pool.segments, ref_pool.segments):  # the same K/V landed in the same slots
+        torch.testing.assert_close(seg.kv, ref_seg.kv, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_fused_decode_attention_of_a_sequence_does_not_depend_on_the_batch():
+    lens = [3, 11, 26]
+    pool, tables = _pool_with_sequences(lens)
+    qkv, cos, sin = _fused_inputs(lens)
+    batched = paged_attention.decode_attention_qkv(qkv, cos, sin, 0, _decode_plan(pool, tables, lens), CFG.num_heads)
+    for i in range(len(lens)):
+        r = slice(i, i + 1)
+        plan = _decode_plan(pool, [tables[i]], [lens[i]])
+        assert torch.equal(paged_attention.decode_attention_qkv(qkv[r], cos[r], sin[r], 0, plan, CFG.num_heads), batched[r])
+
+
+@needs_kernels
+def test_fused_decode_attention_rejects_bad_input_before_writing():
+    kv = torch.zeros(2, 2, 8, 2, 8)
+    qkv, cos, sin = torch.ones(1, (6 + 4) * 8), torch.ones(1, 4), torch.zeros(1, 4)
+    seg, lens = torch.zeros(1, 4, dtype=torch.long), torch.tensor([4])
+    op = ns.paged_decode_attention_qkv
+    with pytest.raises(RuntimeError, match="points outside the pool"):
+        op(qkv, cos, sin, [kv], seg, torch.tensor([[0, 1, 2, 99]]), lens, 0, 1.0, 6)
+    assert not kv.any()  # nothing was written by the rejected call
+    slots = torch.arange(4)[None]
+    with pytest.raises(RuntimeError, match=r"qkv \[B, 80\]"):
+        op(qkv[:, :-1], cos, sin, [kv], seg, slots, lens, 0, 1.0, 6)
+    with pytest.raises(RuntimeError, match=r"cos and sin \[1, 4\]"):
+        op(qkv, torch.ones(1, 3), sin, [kv], seg, slots, lens, 0, 1.0, 6)
+    with pytest.raises(RuntimeError, match="do not group"):
+        op(qkv, cos, sin, [kv], seg, slots, lens, 0, 1.0, 5)
+    with pytest.raises(RuntimeError, match="layer 2 out of range"):
+        op(qkv, cos, sin, [kv], seg, slots, lens, 2, 1.0, 6)
+    assert not kv.any()
+    op(qkv, cos, sin, [kv], seg, slots, lens, 1, 1.0, 6)
+    assert kv[1, :, 3].eq(1).all() and not kv[0].any()  # the new token's K (cos 1, sin 0) and V, at slot 3 of layer 1
+
+
+@needs_kernels
+def test_layer_gives_the_same_output_through_the_fused_and_the_torch_decode_paths():
+    from trtllm_backend.layers import LayerSlot, dense_layer
+
+    lens = [4, 13, 22]
+    g = torch.Generator().manual_seed(11)
+    hid, inter, D = CFG.hidden_size, CFG.intermediate_size, CFG.head_dim
+    shapes = {"self_attn.q_proj": (CFG.num_heads * D, hid), "self_attn.k_proj": (CFG.num_kv_heads * D, hid),
+              "self_attn.v_proj": (CFG.num_kv_heads * D, hid), "self_attn.o_proj": (hid, CFG.num_heads * D),
+              "mlp.gate_proj": (inter, hid), "mlp.up_proj": (inter, hid), "mlp.down_proj": (hid, inter)}
+    t = {f"{k}.weight": torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
+    t.update({n: torch.rand(hid, generator=g) + 0.5 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")})
+    slot = LayerSlot(1, CFG, dense_layer(t, torch.float32))
+    h = torch.randn(len(lens), hid, generator=g)
+    _, cos, sin = _fused_inputs(lens)
+    outs = []
+    for fused in (True, False):
+        pool, tables = _pool_with_sequences(lens)
+        plan = _decode_plan(pool, tables, lens)
+        assert plan.fused_decode
+        plan.fused_decode = fused  # False: torch RoPE + pool write, then the plain decode op
+        outs.append(slot.forward(h, cos, sin, plan))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
 def test_disabled_kernels_fall_back_with_a_reason(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_ops", {})
     monkeypatch.setenv("MORPHSERVE_CPU_KERNELS", "0")

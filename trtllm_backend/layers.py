@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from plugins import skinny_gemm
-from plugins.paged_attention import AttentionPlan, paged_attention
+from plugins.elementwise import add_rms_norm, rms_norm, silu_mul
+from plugins.paged_attention import AttentionPlan, decode_attention_qkv, paged_attention
 
 from .manifest import FULL, ModelConfig
 
@@ -59,13 +59,10 @@ def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> LayerWe
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE (HF layout). x [T, heads, D], cos/sin [T, 1, D/2]."""
+    """Half-split RoPE (HF layout). x [T, heads, D], cos/sin [T, D/2]."""
     x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -84,17 +81,22 @@ class LayerSlot:
         return old
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """h [T, hidden] -> h [T, hidden]; cos/sin [T, D/2] at each token's position."""
         c, w = self.config, self.weights
-        T = h.shape[0]
-        x = rms_norm(h, w.input_layernorm, c.rms_norm_eps)
-        qkv = w.qkv(x)
+        qkv = w.qkv(rms_norm(h, w.input_layernorm, c.rms_norm_eps))
+        if plan.fused_decode:
+            attn = decode_attention_qkv(qkv, cos, sin, self.index, plan, c.num_heads)
+        else:
+            attn = self._attention(qkv, cos, sin, plan).to(h.dtype)
+        h, x = add_rms_norm(h, w.o(attn), w.post_attention_layernorm, c.rms_norm_eps)
+        return h + w.down(silu_mul(w.gate_up(x)))
+
+    def _attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """Torch RoPE and the general paged attention (prefill chunks, mixed steps, no C++ kernels)."""
+        c, T = self.config, qkv.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         # q and k heads are adjacent in the fused output: one RoPE over both.
         qk = apply_rope(qkv[:, : q_dim + kv_dim].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, q_dim + kv_dim :].view(T, c.num_kv_heads, c.head_dim)
-        attn = paged_attention(q, k.to(plan.pool.dtype), v.to(plan.pool.dtype), self.index, plan)
-        h = h + w.o(attn.reshape(T, q_dim).to(h.dtype))
-        x = rms_norm(h, w.post_attention_layernorm, c.rms_norm_eps)
-        gate, up = w.gate_up(x).chunk(2, dim=-1)
-        return h + w.down(F.silu(gate) * up)
+        return paged_attention(q, k.to(plan.pool.dtype), v.to(plan.pool.dtype), self.index, plan).reshape(T, q_dim)

@@ -5,10 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from plugins import skinny_gemm
+from plugins.elementwise import rms_norm
 from plugins.paged_attention import AttentionPlan
 
 from .fragments import FragmentStore
-from .layers import LayerSlot, rms_norm
+from .layers import LayerSlot
 from .manifest import ModelConfig
 
 
@@ -42,7 +43,7 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, logit_rows: torch.Tensor) -> torch.Tensor:
         """Flattened tokens of all scheduled sequences -> fp32 logits of the rows that sample."""
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = self.cos[positions], self.sin[positions]
         for slot in self.slots:
             h = slot.forward(h, cos, sin, plan)
         h = rms_norm(h.index_select(0, logit_rows), self.norm, self.config.rms_norm_eps)

@@ -1,0 +1,41 @@
+"""A decoder layer's row-wise ops: RMSNorm, the residual add fused with the next RMSNorm, SwiGLU's silu * up.
+
+On the CPU with fp32 activations they run as single C++ calls (csrc/layer_elementwise.cpp): torch's versions
+cost 5-35 us each in dispatch and threading at decode sizes, for well under 1 us of arithmetic. Elsewhere
+(CUDA, other dtypes, kernels not built) they are the torch ops, which are also the tests' reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernels
+
+
+def _kernels_for(*tensors: torch.Tensor):
+    """The C++ namespace when every tensor is an fp32 CPU tensor (activations 2-D), else None."""
+    if all(t.dtype == torch.float32 and not t.is_cuda for t in tensors) and tensors[0].dim() == 2:
+        return cpu_kernels.ops()
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (ns := _kernels_for(x, weight)) is not None:
+        return ns.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)): the residual stream and the next sublayer's input."""
+    if (ns := _kernels_for(h, delta, weight)) is not None:
+        return ns.add_rms_norm(h, delta, weight, eps)
+    h = h + delta
+    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (the fused gate | up projection) -> silu(gate) * up [T, I]."""
+    if (ns := _kernels_for(gate_up)) is not None:
+        return ns.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
