@@ -14,9 +14,10 @@ from . import cpu_kernels
 
 def _kernels_for(*tensors: torch.Tensor):
     """The C++ namespace when every tensor is an fp32 CPU tensor (activations 2-D), else None."""
-    if all(t.dtype == torch.float32 and not t.is_cuda for t in tensors) and tensors[0].dim() == 2:
-        return cpu_kernels.ops()
-    return None
+    for t in tensors:
+        if t.dtype != torch.float32 or t.is_cuda:
+            return None
+    return cpu_kernels.ops() if tensors[0].dim() == 2 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

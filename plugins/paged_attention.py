@@ -66,10 +66,10 @@ def _kernel_decode(pool: KVPool):
     return None if ns is None else ns.paged_decode_attention
 
 
-def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(start, end)
-    blocks = torch.tensor(block_table, dtype=torch.long)[pos // block_size]
-    return blocks * block_size + pos % block_size
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Global slot ids of positions [start, end) of one sequence (plain ints: a plan has a few thousand, and
+    building them in Python costs less than a chain of small torch ops per sequence)."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 class AttentionPlan:
@@ -78,8 +78,8 @@ class AttentionPlan:
         self.pool = pool
         self.num_tokens = sum(s.q_len for s in seqs)
         # Where each new token's K/V goes.
-        write_slots = torch.cat([_slots(s.block_table, s.ctx_len - s.q_len, s.ctx_len, bs) for s in seqs])
-        self.write = _split_by_segment(pool, write_slots)
+        write_slots = [slot for s in seqs for slot in _slots(s.block_table, s.ctx_len - s.q_len, s.ctx_len, bs)]
+        self.write = _split_by_segment(pool, torch.tensor(write_slots, dtype=torch.long))
         # Decode group: one new token per sequence, keys padded to the longest context and masked.
         dec = [s for s in seqs if s.q_len == 1]
         self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long)
@@ -95,20 +95,18 @@ class AttentionPlan:
         if dec:
             L = self.decode_len
             lens = torch.tensor([s.ctx_len for s in dec])
-            pos = torch.arange(L).expand(len(dec), L)
-            valid = pos < lens[:, None]
-            # Padding positions read the sequence's own first slot (always valid) and are masked out.
-            clamped = torch.where(valid, pos, torch.zeros_like(pos))
-            tables = torch.zeros(len(dec), (L + bs - 1) // bs, dtype=torch.long)
-            for i, s in enumerate(dec):
-                n = (s.ctx_len + bs - 1) // bs
-                tables[i, :n] = torch.tensor(s.block_table[:n])
-            slots = torch.gather(tables, 1, clamped // bs) * bs + clamped % bs
+            rows = []
+            for s in dec:
+                row = _slots(s.block_table, 0, s.ctx_len, bs)
+                # Padding positions read the sequence's own first slot (always valid) and are masked out.
+                rows.append(row + row[:1] * (L - s.ctx_len))
+            slots = torch.tensor(rows, dtype=torch.long)
             if (op := _kernel_decode(pool)) is not None:
                 self.decode_kernel = (op, [seg.kv for seg in pool.segments], *_segment_and_local(pool, slots), lens)
                 self.fused_decode = self.decode_only
             else:
                 self.decode_gather = _split_by_segment(pool, slots.flatten())
+                valid = torch.arange(L)[None, :] < lens[:, None]
                 self.decode_mask = None if bool(valid.all()) else valid[:, None, None, :]
         # Prefill chunks: causal over new tokens, plus earlier context read back from the pool.
         self.prefills: list[tuple[SeqSlice, list[Piece] | None, torch.Tensor | None]] = []
@@ -118,7 +116,7 @@ class AttentionPlan:
             if s.ctx_len == s.q_len:
                 self.prefills.append((s, None, None))
             else:
-                gather = _split_by_segment(pool, _slots(s.block_table, 0, s.ctx_len, bs))
+                gather = _split_by_segment(pool, torch.tensor(_slots(s.block_table, 0, s.ctx_len, bs), dtype=torch.long))
                 q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len)
                 mask = torch.arange(s.ctx_len)[None, :] <= q_pos[:, None]
                 self.prefills.append((s, gather, mask))

@@ -190,6 +190,25 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_the_batch(monkeypatch
 
 
 @needs_kernels
+@pytest.mark.parametrize("kvh,group,d", [(3, 3, 64), (2, 3, 136), (2, 2, 6), (1, 9, 64)])
+def test_decode_attention_matches_float64_for_head_shapes(kvh, group, d):
+    # 64: SmolLM2's head (register chunk of 64); 136: chunk plus 8-wide tail; 6 and a group of 9: the scalar path.
+    g = torch.Generator().manual_seed(d * 10 + group)
+    slots, lens = 40, [1, 9, 37]
+    segs = [torch.randn(2, 2, slots, kvh, d, generator=g) for _ in range(2)]
+    B, H, L = len(lens), kvh * group, max(lens)
+    seg_of, slot_of = torch.randint(0, 2, (B, L), generator=g), torch.randint(0, slots, (B, L), generator=g)
+    q = torch.randn(B, H, d, generator=g)
+    got = ns.paged_decode_attention(q, segs, seg_of, slot_of, torch.tensor(lens), 1, d**-0.5)
+    for b, n in enumerate(lens):
+        keys = torch.stack([segs[seg_of[b, t]][1, 0, slot_of[b, t]] for t in range(n)]).double()
+        vals = torch.stack([segs[seg_of[b, t]][1, 1, slot_of[b, t]] for t in range(n)]).double()
+        for h in range(H):
+            p = torch.softmax(keys[:, h // group] @ q[b, h].double() * d**-0.5, 0)
+            torch.testing.assert_close(got[b, h].double(), p @ vals[:, h // group], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 def test_decode_attention_rejects_out_of_pool_slots():
     kv = torch.zeros(2, 2, 8, 2, 8)
     q = torch.zeros(1, 6, 8)

@@ -242,10 +242,10 @@ class LLMEngine:
         self._publish_stats()
 
     def _mask_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        eos = list(self.tokenizer.eos_token_ids)
-        for r, req in enumerate(reqs):
-            if req.params.ignore_eos or req.num_output < req.params.min_tokens:
-                logits[r, eos] = float("-inf")
+        rows = [r for r, req in enumerate(reqs) if req.params.ignore_eos or req.num_output < req.params.min_tokens]
+        if rows:  # one indexed write for the whole batch
+            eos = torch.tensor(list(self.tokenizer.eos_token_ids), dtype=torch.long)
+            logits[torch.tensor(rows, dtype=torch.long)[:, None], eos[None, :]] = float("-inf")
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req)

@@ -21,7 +21,13 @@
 #include <cstring>
 #include <vector>
 
+#include "avx2_math.h"
+#include "cpu_tile.h"
+
 namespace {
+
+using morphserve_cpu::exp256;
+using morphserve_cpu::hsum;
 
 // One layer's keys and values in every segment: slot s of segment i holds [KVH, D] floats at k[i] + s*KVH*D.
 struct LayerKV {
@@ -88,9 +94,87 @@ Positions positions(const at::Tensor& segment_of, const at::Tensor& slot_of, con
   return p;
 }
 
+// scores[g * n + t] = (q_g . k_t) * sc for the G query heads of one KV head: each key is read once for all G.
+template <int G>
+void scores_avx(const float* qg, const float* const* keys, int64_t n, int64_t D, float sc, float* scores) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = keys[t];
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = _mm256_loadu_ps(k + d);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * D + d), kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) scores[g * n + t] = hsum(acc[g]) * sc;
+  }
+}
+
+// Any G and D (the vector path needs D % 8 == 0 and G <= 8).
+void scores_scalar(const float* qg, const float* const* keys, int64_t n, int64_t G, int64_t D, float sc, float* scores) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qg[g * D + d] * keys[t][d];
+      scores[g * n + t] = dot * sc;
+    }
+}
+
+void softmax_rows(float* scores, int64_t G, int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * n;
+    const float mx = *std::max_element(row, row + n);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + t), vmx));
+      _mm256_storeu_ps(row + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; t < n; ++t) sum += (row[t] = std::exp(row[t] - mx));
+    const float inv = 1.f / sum;
+    for (t = 0; t < n; ++t) row[t] *= inv;
+  }
+}
+
+// o_g = sum_t p[g, t] v_t, a head's output kept in registers 64 floats at a time.
+void values_avx(const float* probs, const float* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
+  constexpr int64_t kChunk = 64;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = probs + g * n;
+    float* o = og + g * D;
+    int64_t d0 = 0;
+    for (; d0 + kChunk <= D; d0 += kChunk) {
+      __m256 acc[kChunk / 8];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 pv = _mm256_set1_ps(p[t]);
+        const float* v = vals[t] + d0;
+#pragma GCC unroll 8
+        for (int j = 0; j < kChunk / 8; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), acc[j]);
+      }
+      for (int j = 0; j < kChunk / 8; ++j) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+    }
+    for (; d0 < D; d0 += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vals[t] + d0), acc);
+      _mm256_storeu_ps(o + d0, acc);
+    }
+  }
+}
+
+void values_scalar(const float* probs, const float* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
+  std::fill(og, og + G * D, 0.f);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) og[g * D + d] += probs[g * n + t] * vals[t][d];
+}
+
 // out [B, H, D] = softmax(q k^T * scale) v for every row over its lens[b] cached positions.
 void attend(const float* qp, float* op, int64_t B, int64_t H, const LayerKV& kv, const Positions& pos, float sc) {
   const int64_t KVH = kv.kv_heads, D = kv.head_dim, G = H / KVH, L = pos.L;
+  const bool vec = D % 8 == 0 && G >= 1 && G <= 8;
   // A short attention (a few sequences, short contexts) is cheaper on this thread than the ~20 us it takes to
   // wake a second one: go parallel only from ~kParallelDots dot products of head_dim upwards.
   constexpr int64_t kParallelDots = 4096;
@@ -99,41 +183,37 @@ void attend(const float* qp, float* op, int64_t B, int64_t H, const LayerKV& kv,
   const int64_t grain = dots < kParallelDots ? B * KVH : 1;
   at::parallel_for(0, B * KVH, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
+    std::vector<const float*> keys, vals;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH, n = pos.len[b];
-      scores.assign(G * n, 0.f);
+      keys.resize(n);
+      vals.resize(n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t s = pos.seg[b * L + t], off = (pos.slot[b * L + t] * KVH + kvh) * D;
+        keys[t] = kv.k[s] + off;
+        vals[t] = kv.v[s] + off;
+      }
+      scores.resize(G * n);
       const float* qg = qp + (b * H + kvh * G) * D;  // the G query heads that share this KV head
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t s = pos.seg[b * L + t];
-        const float* k = kv.k[s] + (pos.slot[b * L + t] * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qh = qg + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
-          scores[g * n + t] = dot * sc;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * n;
-        const float mx = *std::max_element(row, row + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (row[t] = std::exp(row[t] - mx));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) row[t] *= inv;
-      }
       float* og = op + (b * H + kvh * G) * D;
-      std::fill(og, og + G * D, 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t s = pos.seg[b * L + t];
-        const float* v = kv.v[s] + (pos.slot[b * L + t] * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* __restrict o = og + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
-        }
+      if (!vec) {
+        scores_scalar(qg, keys.data(), n, G, D, sc, scores.data());
+        softmax_rows(scores.data(), G, n);
+        values_scalar(scores.data(), vals.data(), n, G, D, og);
+        continue;
       }
+      switch (G) {
+        case 1: scores_avx<1>(qg, keys.data(), n, D, sc, scores.data()); break;
+        case 2: scores_avx<2>(qg, keys.data(), n, D, sc, scores.data()); break;
+        case 3: scores_avx<3>(qg, keys.data(), n, D, sc, scores.data()); break;
+        case 4: scores_avx<4>(qg, keys.data(), n, D, sc, scores.data()); break;
+        case 5: scores_avx<5>(qg, keys.data(), n, D, sc, scores.data()); break;
+        case 6: scores_avx<6>(qg, keys.data(), n, D, sc, scores.data()); break;
+        case 7: scores_avx<7>(qg, keys.data(), n, D, sc, scores.data()); break;
+        default: scores_avx<8>(qg, keys.data(), n, D, sc, scores.data()); break;
+      }
+      softmax_rows(scores.data(), G, n);
+      values_avx(scores.data(), vals.data(), n, G, D, og);
     }
   });
 }
