@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from plugins import skinny_gemm
 from plugins.elementwise import rms_norm
 from plugins.paged_attention import AttentionPlan, SeqSlice
 from trtllm_backend.fragments import FragmentStore
@@ -52,7 +53,7 @@ class OfflineModel:
         plan = self._plan(B, L)
         pos = torch.arange(L).repeat(B)
         cos, sin = self.model.cos[pos], self.model.sin[pos]
-        h = F.embedding(ids.flatten(), self.model.embed)
+        h = F.embedding(ids.flatten(), self.model.embed).to(self.model.norm.dtype)
         states = [h]
         for slot in self.model.slots:
             h = slot.forward(h, cos, sin, plan)
@@ -67,7 +68,7 @@ class OfflineModel:
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(h, self.model.norm, self.config.rms_norm_eps), self.model.lm_head)
+        return skinny_gemm.linear(rms_norm(h, self.model.norm, self.config.rms_norm_eps), self.model.lm_head)
 
     @torch.inference_mode()
     def nll(self, ids: torch.Tensor) -> tuple[float, int]:

@@ -11,7 +11,7 @@
 
 They are compiled with the platform's C++ compiler into `build/kernels/` by `python -m plugins.cpu_kernels`
 (the set-up step runs it; a no-op when up to date). Where they are not built, cannot be loaded, or the CPU
-lacks AVX2/FMA, callers fall back to the torch ops and one log line says why. `MORPHSERVE_CPU_KERNELS=0`
+lacks AVX2/FMA/F16C, callers fall back to the torch ops and one log line says why. `MORPHSERVE_CPU_KERNELS=0`
 turns them off (the torch reference path).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def unsupported_reason() -> str | None:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return "cannot read /proc/cpuinfo"
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
@@ -54,7 +54,7 @@ def build(verbose: bool = False) -> Path:
 
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], build_directory=str(BUILD_DIR),
-                       is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                       is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], verbose=verbose)
     return library_path()
 

@@ -1,4 +1,5 @@
-"""Dense linear dispatch: the C++ skinny GEMM for fp32 CPU decode batches, `F.linear` (MKL) otherwise.
+"""Dense linear dispatch: the C++ skinny GEMM for fp32 CPU decode batches (fp32 or fp16-stored weights),
+`F.linear` (MKL) otherwise.
 
 On this AVX2 CPU MKL's sgemm reaches about half the memory bandwidth at batch 1 and slows down per row at
 batch 2-32, while a decode step's matmuls are bound by reading the weights once. The kernel
@@ -17,10 +18,12 @@ MAX_ROWS = 48
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T."""
-    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 \
-            and not x.is_cuda:
+    """x [M, K] @ weight [N, K].T; the weight may be stored in fp16 under fp32 activations (widened here)."""
+    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and not x.is_cuda \
+            and weight.dtype in (torch.float32, torch.float16):
         ns = cpu_kernels.ops()
         if ns is not None:
             return ns.skinny_linear(x, weight)
-    return F.linear(x, weight)
+    # NOTE: prefill chunks (and the no-kernel path) widen a 16-bit stored weight for MKL: a transient fp32
+    # copy, ~1 ms per layer against tens of ms of GEMM.
+    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))

@@ -50,13 +50,33 @@ def test_skinny_linear_takes_strided_input():
 @needs_kernels
 @pytest.mark.parametrize("bad,match", [
     (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(3, 9)), "8 features, weight expects 9"),
-    (lambda: ns.skinny_linear(torch.randn(2, 8).double(), torch.randn(3, 8)), "fp32 input and weight"),
+    (lambda: ns.skinny_linear(torch.randn(2, 8).double(), torch.randn(3, 8)), "fp32 input and fp32 or fp16 weight"),
+    (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(3, 8).bfloat16()), "got Float and BFloat16"),
     (lambda: ns.skinny_linear(torch.randn(2, 3, 8), torch.randn(3, 8)), "2-D input"),
     (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(8, 3).t()), "contiguous 2-D weight"),
 ])
 def test_skinny_linear_rejects_bad_input(bad, match):
     with pytest.raises(RuntimeError, match=match):
         bad()
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 33])
+@pytest.mark.parametrize("n,k", [(960, 576), (13, 576), (600, 100), (7, 13), (1, 8)])
+def test_fp16_weights_give_exactly_the_fp32_result_of_their_widened_values(m, n, k):
+    # Widened on load (in registers for 1-2 rows, into an L1 buffer beyond), summed in the same order.
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).half()
+    got = ns.skinny_linear(x, w)
+    assert torch.equal(got, ns.skinny_linear(x, w.float()))
+    torch.testing.assert_close(got, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+def test_linear_dispatch_widens_fp16_weights_for_prefill_sized_inputs():
+    x, w = torch.randn(skinny_gemm.MAX_ROWS + 1, 32), torch.randn(16, 32).half()
+    got = skinny_gemm.linear(x, w)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w.float()))
 
 
 def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs():

@@ -2,6 +2,7 @@
 import os
 
 import pytest
+import torch
 from engine_fixtures import fragment_dir, make_engine
 
 from trtllm_backend.config import EngineConfig
@@ -107,3 +108,9 @@ def test_bad_config_values_are_named():
         EngineConfig(fragment_dir="x", block_size=0)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(fragment_dir="x", dtype="int3")
+    with pytest.raises(ValueError, match="weight_dtype must be"):
+        EngineConfig(fragment_dir="x", weight_dtype="int4")
+    for dtype, weight_dtype in (("bfloat16", "float16"), ("float16", "float32")):
+        with pytest.raises(ValueError, match=f"weight_dtype={weight_dtype} with dtype={dtype}"):
+            EngineConfig(fragment_dir="x", dtype=dtype, weight_dtype=weight_dtype)
+    assert EngineConfig(fragment_dir="x", weight_dtype="float16").weight_torch_dtype == torch.float16

@@ -68,3 +68,20 @@ def test_decode_matches_full_prefill_logits(engine):
     engine.on_logits = None
     rel = (steps[0] - full[len(engine.tokenizer.encode(engine.tokenizer.decode(ids[:30]))) - 1]).abs().max() / full.abs().max()
     assert rel < 1e-4
+
+
+def test_fp16_weight_storage_halves_the_weights_and_keeps_the_logits(engine):
+    # weight_dtype=float16: the same fragments rounded to fp16 at load, computed in fp32. The rounding moves
+    # a weight by at most 2^-11 of itself, so the logits stay close to the fp32 engine's (and greedy output too).
+    half = make_engine(weight_dtype="float16")
+    assert half.model.lm_head.dtype == torch.float16 and half.model.norm.dtype == torch.float32
+    assert half.model.slots[0].weights.qkv.weight.dtype == torch.float16
+    ratio = half.model.weights_nbytes / engine.model.weights_nbytes
+    assert 0.49 < ratio < 0.51, ratio
+    ids = corpus_window(engine, 64)
+    ref, got = engine_logits(engine, ids), engine_logits(half, ids)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    print(f"fp16 weights: max relative logit difference {rel:.2e}")
+    assert rel < 1e-2
+    out = "".join(o.text for o in half.generate("The capital of France is", SamplingParams(max_tokens=4)))
+    assert out.startswith(" Paris")

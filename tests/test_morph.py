@@ -77,12 +77,15 @@ def test_forced_swaps_and_restores_mid_generation(monkeypatch):
     assert engine.morph.peak_used <= engine.morph.account.budget
 
 
-def test_capacity_grows_by_exactly_the_freed_blocks(monkeypatch):
+@pytest.mark.parametrize("weight_dtype", ["auto", "float16"])
+def test_capacity_grows_by_exactly_the_freed_blocks(monkeypatch, weight_dtype):
+    # fp16-stored full-precision layers free half as many bytes per swap; the account must follow either way.
     monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:3@0")
-    engine = make_engine(morph_policy="full", max_tokens_in_paged_kv_cache=512)
+    engine = make_engine(morph_policy="full", max_tokens_in_paged_kv_cache=512, weight_dtype=weight_dtype)
     m = engine.morph
     base_blocks, r0 = engine.pool.num_blocks, m.account.available
     full = m.full_bytes[0]
+    assert engine.model.slots[0].weights.qkv.weight.element_size() == (2 if weight_dtype == "float16" else 4)
     engine.step()
     settle(engine)
     assert engine.num_quantized_layers() == 3

@@ -1,6 +1,7 @@
 """Engine benchmark: prefill and decode throughput, the engine's overhead over its matmuls, memory, swaps.
 
-    OMP_WAIT_POLICY=PASSIVE python tools/bench_engine.py [--fragment-dir DIR] [--batches 1 8 16 32]
+    OMP_WAIT_POLICY=PASSIVE python tools/bench_engine.py [--fragment-dir DIR] [--batches 1 8 16 32] \
+        [--weight-dtype float16] [--json FILE]
 
 Prints one table. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per token over
 the measured read bandwidth); beside every batch the time of the same step's matmuls alone (same shapes, dtype
@@ -46,15 +47,20 @@ def read_bandwidth() -> float:
     return buf.numel() * 4 / median_time(buf.sum, 5)
 
 
-def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype, linear=skinny_gemm.linear) -> float:
+def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype | None = None, linear=skinny_gemm.linear) -> float:
     """The step's matmuls only: every layer's fused qkv, o, gate_up, down, and the LM head, for `batch` rows,
-    through `linear` (default: the engine's own dispatch)."""
+    through `linear` (default: the engine's own dispatch), on the weights as the engine stores them or on
+    copies in `dtype`."""
+    act = dtype or engine.config.torch_dtype
     ws = []
     for s in engine.model.slots:
         w = s.weights
-        ws += [w.qkv.weight.to(dtype), w.o.weight.to(dtype), w.gate_up.weight.to(dtype), w.down.weight.to(dtype)]
-    head = engine.model.lm_head.to(dtype)
-    xs = {n: torch.randn(batch, n, dtype=dtype) for n in {w.shape[1] for w in ws}}
+        ws += [w.qkv.weight, w.o.weight, w.gate_up.weight, w.down.weight]
+    ws.append(engine.model.lm_head)
+    if dtype is not None:
+        ws = [w.to(dtype) for w in ws]
+    ws, head = ws[:-1], ws[-1]
+    xs = {n: torch.randn(batch, n, dtype=act) for n in {w.shape[1] for w in ws}}
 
     def run():
         for w in ws:
@@ -89,10 +95,10 @@ def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
     return len(engine.tokenizer.encode(prompt)) / median_time(once, 3, warmup=1)
 
 
-def swap_latencies(frag_dir: str, layers: int = 4) -> list[tuple[float, float]]:
+def swap_latencies(frag_dir: str, weight_dtype: str, layers: int = 4) -> list[tuple[float, float]]:
     os.environ["MORPHSERVE_FORCE_MORPH"] = f"down:{layers}@0,up:{layers}@1"
     try:
-        engine = LLMEngine(EngineConfig(fragment_dir=frag_dir, morph_policy="full"))
+        engine = LLMEngine(EngineConfig(fragment_dir=frag_dir, morph_policy="full", weight_dtype=weight_dtype))
     finally:
         del os.environ["MORPHSERVE_FORCE_MORPH"]
     if not engine.morph.quantizable:
@@ -116,22 +122,26 @@ def main(argv=None) -> int:
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--policy", default="full", help="morph policy of the measured engine (full, int4, int4:N)")
+    ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
+                    help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=args.policy, max_batch_size=max(args.batches)))
+    engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=args.policy, max_batch_size=max(args.batches),
+                                    weight_dtype=args.weight_dtype))
     dtype = engine.config.torch_dtype
-    print(f"[bench] policy={args.policy} dtype={dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
+    print(f"[bench] policy={args.policy} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
           f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'}")
     bw = read_bandwidth()
     weight_bytes = engine.model.weights_nbytes
-    rows = {"bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "decode": []}
+    rows = {"bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "weight_dtype": str(engine.config.weight_torch_dtype),
+            "decode": []}
     rows["prefill_tok_s"] = prefill_rate(engine)
     print(f"[bench] read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {weight_bytes / 1e6:.0f} MB; prefill {rows['prefill_tok_s']:.0f} tok/s (512-token prompt)")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'matmuls ms':>11} {'step/matmuls':>13} {'MKL matmuls ms':>15} {'floor tok/s':>12}")
     for b in args.batches:
         step = decode_step_time(engine, b)
         full = args.policy == "full"
-        mm = matmuls_alone(engine, b, dtype) if full else float("nan")
+        mm = matmuls_alone(engine, b) if full else float("nan")
         mkl = matmuls_alone(engine, b, dtype, F.linear) if full else float("nan")
         floor = bw / weight_bytes if b == 1 else None
         rows["decode"].append({"batch": b, "step_s": step, "tok_s": b / step, "matmuls_s": mm, "mkl_matmuls_s": mkl,
@@ -145,7 +155,7 @@ def main(argv=None) -> int:
         rows["dtype_choice"] = {"fp32_b1": f32, "bf16_b1": bf16, "fp32_b16": f32_16, "bf16_b16": bf16_16}
         print(f"[bench] dtype check, all matmuls of a step: batch 1 fp32 {f32 * 1e3:.1f} ms vs bf16 {bf16 * 1e3:.1f} ms; batch 16 fp32 {f32_16 * 1e3:.1f} vs bf16 {bf16_16 * 1e3:.1f} ms")
     del engine
-    swaps = swap_latencies(args.fragment_dir)
+    swaps = swap_latencies(args.fragment_dir, args.weight_dtype)
     if swaps:
         prep = [p for p, _ in swaps]
         apply = [a for _, a in swaps]

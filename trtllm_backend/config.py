@@ -24,6 +24,9 @@ class EngineConfig:
     num_threads: int | None = None  # default: all cores
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU (measured fastest here), fp16 on CUDA
+    # Storage of the full-precision weights (layers, embedding, LM head); auto: the dtype above. float16 with
+    # float32 compute on the CPU halves the bytes a decode step reads (the C++ kernel widens them on load).
+    weight_dtype: str = "auto"
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
     memory_budget_bytes: int | None = None  # default: full-precision model + base KV pool + one staging fragment
     morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
@@ -43,6 +46,12 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weight_dtype not in ("auto", "float32", "float16"):
+            raise ValueError(f"weight_dtype must be auto, float32 or float16, got {self.weight_dtype!r}")
+        w, c = self.weight_torch_dtype, self.torch_dtype
+        if w != c and not (w == torch.float16 and c == torch.float32):
+            raise ValueError(f"weight_dtype={self.weight_dtype} with dtype={self.dtype}: weights are stored in the "
+                             "compute dtype, or in float16 under float32 compute")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -51,6 +60,10 @@ class EngineConfig:
             # both); on CUDA fp16 is the native full precision.
             return torch.float16 if self.device == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    @property
+    def weight_torch_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.weight_dtype == "auto" else getattr(torch, self.weight_dtype)
 
     @property
     def base_kv_blocks(self) -> int:

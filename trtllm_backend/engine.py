@@ -43,7 +43,7 @@ class LLMEngine:
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.store = FragmentStore(self.manifest, config.torch_dtype)
+        self.store = FragmentStore(self.manifest, config.torch_dtype, config.weight_torch_dtype)
         from .tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer(self.manifest)

@@ -41,21 +41,22 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 class FragmentStore:
     """Reads verified fragment files; `load_layer` may run on any thread (it touches no engine state)."""
 
-    def __init__(self, manifest: Manifest, dtype: torch.dtype):
+    def __init__(self, manifest: Manifest, dtype: torch.dtype, weight_dtype: torch.dtype | None = None):
         self.manifest = manifest
-        self.dtype = dtype
+        self.dtype = dtype  # activations and norms
+        self.weight_dtype = weight_dtype or dtype  # full-precision matmul weights, embedding and LM head
 
     def _read(self, entry: dict) -> dict[str, torch.Tensor]:
         return read_safetensors(self.manifest.verified_path(entry))
 
     def load_shared(self) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.dtype) for k, v in self._read(self.manifest.data["shared"]).items()}
+        return {k: v.to(self.dtype if v.dim() == 1 else self.weight_dtype) for k, v in self._read(self.manifest.data["shared"]).items()}
 
     def load_layer(self, index: int, precision: str = FULL) -> LayerWeights:
         entry = self.manifest.fragment(index, precision)
         tensors = self._read(entry)
         if precision == FULL:
-            return dense_layer(tensors, self.dtype)
+            return dense_layer(tensors, self.dtype, self.weight_dtype)
         from plugins.quant_matmul import load_quantized_layer  # quantized kernels load only when used
 
         parts = load_quantized_layer(tensors, entry)

@@ -18,7 +18,7 @@ from .manifest import FULL, ModelConfig
 
 
 class DenseLinear:
-    """Unquantized weight [out, in] in the platform's full-precision dtype."""
+    """Unquantized weight [out, in]: the compute dtype, or fp16 storage under fp32 compute (skinny_gemm)."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.contiguous()
@@ -46,9 +46,10 @@ class LayerWeights:
         return norms + sum(op.nbytes for op in (self.qkv, self.o, self.gate_up, self.down))
 
 
-def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> LayerWeights:
-    """Full-precision fragment -> weights with q|k|v and gate|up fused (one matmul each)."""
-    t = {k: v.to(dtype) for k, v in tensors.items()}
+def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> LayerWeights:
+    """Full-precision fragment -> weights with q|k|v and gate|up fused (one matmul each); norms in `dtype`,
+    matmul weights in `weight_dtype` (default: `dtype`)."""
+    t = {k: v.to(dtype if v.dim() == 1 else weight_dtype or dtype) for k, v in tensors.items()}
     return LayerWeights(
         input_layernorm=t["input_layernorm.weight"],
         post_attention_layernorm=t["post_attention_layernorm.weight"],

@@ -28,7 +28,7 @@ class LlamaModel:
         c = self.config
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         angles = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
-        return angles.cos().to(self.embed.dtype), angles.sin().to(self.embed.dtype)
+        return angles.cos().to(self.norm.dtype), angles.sin().to(self.norm.dtype)
 
     @property
     def shared_nbytes(self) -> int:
@@ -42,7 +42,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, logit_rows: torch.Tensor) -> torch.Tensor:
         """Flattened tokens of all scheduled sequences -> fp32 logits of the rows that sample."""
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed).to(self.norm.dtype)  # fp16-stored embedding -> compute dtype
         cos, sin = self.cos[positions], self.sin[positions]
         for slot in self.slots:
             h = slot.forward(h, cos, sin, plan)
