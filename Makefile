@@ -1,6 +1,8 @@
 # Every target does any missing set-up first (tools/setup.sh is idempotent).
 SHELL := /bin/bash
+# OpenMP waiting for every engine process (trtllm_backend/openmp_env.py says why).
 export OMP_WAIT_POLICY := PASSIVE
+export GOMP_SPINCOUNT := 20000
 PY := .venv/bin/python
 
 .PHONY: setup serve generate test bench docker-test quality profile replay replay-quick

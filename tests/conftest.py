@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from trtllm_backend.openmp_env import with_openmp_defaults
 from trtllm_backend.serve import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ TEST_SERVER_PARAMS = {
 def triton_server(tmp_path_factory):
     from trtllm_backend import serve
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    with_openmp_defaults(os.environ)
     http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     handle = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,

@@ -1,6 +1,6 @@
 """Engine benchmark: prefill and decode throughput, the engine's overhead over its matmuls, memory, swaps.
 
-    OMP_WAIT_POLICY=PASSIVE python tools/bench_engine.py [--fragment-dir DIR] [--batches 1 8 16 32] \
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python tools/bench_engine.py [--fragment-dir DIR] [--batches 1 8 16 32] \
         [--weight-dtype float16] [--json FILE]
 
 Prints one table. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per token over
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=args.policy, max_batch_size=max(args.batches),
                                     weight_dtype=args.weight_dtype))
     dtype = engine.config.torch_dtype
-    print(f"[bench] policy={args.policy} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} "
+    print(f"[bench] policy={args.policy} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
           f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'}")
     bw = read_bandwidth()
     weight_bytes = engine.model.weights_nbytes

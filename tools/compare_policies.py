@@ -253,7 +253,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(REPO_ROOT))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the servers inherit it (a spinning pool stalls the other core)
+    from trtllm_backend.openmp_env import with_openmp_defaults
+
+    with_openmp_defaults(os.environ)  # the servers inherit it
     args = parse_args(argv)
     out = repo_path(args.out_root) / args.name
     reqs, window_s, described = replay.build_workload(args)

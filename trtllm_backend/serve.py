@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import triton_params
+from .openmp_env import with_openmp_defaults
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NGC_ROOT = Path("/opt/tritonserver")
@@ -99,8 +100,7 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # a spinning OpenMP pool stalls the other core's threads
-    return env
+    return with_openmp_defaults(env)
 
 
 # --- config.pbtxt parameters ------------------------------------------------------------------------------
