@@ -19,7 +19,8 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) tools/bench_engine.py
+	$(PY) tools/bench_engine.py --json results/bench_engine.json
+	$(PY) tools/bench_engine.py --weight-dtype float16 --json results/bench_engine_fp16.json
 
 # Container deployment end to end (root; starts/stops its own dockerd when none runs).
 docker-test: setup
