@@ -73,4 +73,16 @@ inline void rows_times_block(const float* x, int64_t M, const W* w, int64_t ldw,
   for (; m < M; ++m, ahead = nullptr) tile<1, NT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K, ahead);
 }
 
+// All M rows of x against the nt (<= kTileN) weight rows at w [nt, K]: a full block through the register tile,
+// a tail block row by row. `ahead`: a full block to prefetch, or null.
+template <typename W>
+inline void rows_times_rows(const float* x, int64_t M, const W* w, int64_t K, float* y, int64_t ldy, int64_t nt,
+                            const W* ahead = nullptr) {
+  if (nt == kTileN) {
+    rows_times_block<kTileN>(x, M, w, K, y, ldy, K, ahead);
+  } else {
+    for (int64_t j = 0; j < nt; ++j) rows_times_block<1>(x, M, w + j * K, K, y + j, ldy, K);
+  }
+}
+
 }  // namespace morphserve_cpu

@@ -24,7 +24,7 @@ namespace {
 
 using morphserve_cpu::hsum;
 using morphserve_cpu::kTileN;
-using morphserve_cpu::rows_times_block;
+using morphserve_cpu::rows_times_rows;
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -200,11 +200,7 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& qweight, const
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * kTileN, nt = std::min<int64_t>(kTileN, N - n);
       dequantize_permuted(q + n * (K / 2), s + n * groups * 2, G, K, nt, w.data());
-      if (nt == kTileN) {
-        rows_times_block<kTileN>(xpp, M, w.data(), K, yp + n, N, K);
-      } else {
-        for (int64_t j = 0; j < nt; ++j) rows_times_block<1>(xpp, M, w.data() + j * K, K, yp + n + j, N, K);
-      }
+      rows_times_rows(xpp, M, w.data(), K, yp + n, N, nt);
     }
   });
   return y;

@@ -22,7 +22,7 @@ namespace {
 using morphserve_cpu::kTileN;
 using morphserve_cpu::load1;
 using morphserve_cpu::load8;
-using morphserve_cpu::rows_times_block;
+using morphserve_cpu::rows_times_rows;
 
 // Rows of x up to which fp16 weights are widened in registers rather than once into a buffer.
 constexpr int64_t kInRegisterRows = 2;
@@ -30,17 +30,6 @@ constexpr int64_t kInRegisterRows = 2;
 // cpu_tile.h). fp16 rows are half as long, and the hardware prefetcher alone kept too few lines in flight;
 // for fp32 rows the same prefetch measured no gain and is not used.
 constexpr int64_t kPrefetchBlocks = 4;
-
-// All M rows of x against the nt (<= kTileN) weight rows at w; `ahead`: a full block to prefetch, or null.
-template <typename W>
-void rows_times_rows(const float* x, int64_t M, const W* w, int64_t K, float* y, int64_t ldy, int64_t nt,
-                     const W* ahead = nullptr) {
-  if (nt == kTileN) {
-    rows_times_block<kTileN>(x, M, w, K, y, ldy, K, ahead);
-  } else {
-    for (int64_t j = 0; j < nt; ++j) rows_times_block<1>(x, M, w + j * K, K, y + j, ldy, K);
-  }
-}
 
 void widen(const uint16_t* w, int64_t n, float* out) {
   int64_t i = 0;
