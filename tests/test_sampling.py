@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from trtllm_backend.errors import InvalidRequest
-from trtllm_backend.sampling import SamplingParams, sample
+from trtllm_backend.sampling import SamplingParams, apply_penalties, sample
 
 
 def logits():
@@ -39,6 +39,10 @@ def test_top_k_and_top_p_cut_the_tail():
         ({"min_tokens": -2}, "min_tokens"),
         ({"stop": [""]}, "stop"),
         ({"seed": 1.5}, "seed"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -2.1}, "presence_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
@@ -50,3 +54,43 @@ def test_bad_values_name_the_field(kwargs, field):
 def test_unknown_fields_are_rejected():
     with pytest.raises(InvalidRequest, match="bogus"):
         SamplingParams.from_dict({"max_tokens": 3, "bogus": 1})
+
+
+# --- frequency / presence penalties (OpenAI's rule, checked against numbers worked out by hand) ---------------
+def test_penalties_match_the_hand_computed_logits():
+    # Generated so far: token 1 twice, token 2 once. frequency 0.5, presence 0.2:
+    #   token 1: 3.0 - 2 * 0.5 - 0.2 = 1.8;  token 2: 2.9 - 1 * 0.5 - 0.2 = 2.2;  the others are untouched.
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.2)
+    got = apply_penalties(logits(), [p], [[1, 2, 1]])
+    assert torch.allclose(got, torch.tensor([[0.0, 1.8, 2.2, -1.0, 1.0]]))
+    assert torch.equal(logits(), torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]]))  # the caller's logits stay as they were
+
+
+def test_penalties_change_the_greedy_pick_and_negative_ones_favour_repeats():
+    assert sample(logits(), [SamplingParams(presence_penalty=0.2)], [None], [[1]]) == [2]  # 2.8 < 2.9
+    assert sample(logits(), [SamplingParams(presence_penalty=0.05)], [None], [[1]]) == [1]  # 2.95 > 2.9
+    # A negative frequency penalty raises token 4 (1.0 + 3 * 1.5 = 5.5) above token 1.
+    assert sample(logits(), [SamplingParams(frequency_penalty=-1.5)], [None], [[4, 4, 4]]) == [4]
+
+
+def test_penalties_apply_per_row_only_where_set():
+    batch = torch.cat([logits(), logits()])
+    got = apply_penalties(batch, [SamplingParams(), SamplingParams(frequency_penalty=1.0)], [[1, 1], [1, 1]])
+    assert torch.equal(got[0], batch[0])
+    assert torch.allclose(got[1], torch.tensor([0.0, 1.0, 2.9, -1.0, 1.0]))
+    assert sample(batch, [SamplingParams(), SamplingParams(frequency_penalty=1.0)], [None, None], [[1, 1], [1, 1]]) == [1, 2]
+
+
+def test_penalized_sampling_draws_from_the_penalized_distribution():
+    # Same seed, same draws as sampling the hand-penalized logits with no penalty.
+    penalized = SamplingParams(temperature=1.0, seed=5, frequency_penalty=0.5, presence_penalty=0.2)
+    by_hand = torch.tensor([[0.0, 1.8, 2.2, -1.0, 1.0]])
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a = [sample(logits(), [penalized], [g1], [[1, 2, 1]])[0] for _ in range(40)]
+    b = [sample(by_hand, [SamplingParams(temperature=1.0)], [g2])[0] for _ in range(40)]
+    assert a == b and len(set(a)) > 1
+
+
+def test_penalties_without_the_generated_ids_are_refused():
+    with pytest.raises(ValueError, match="generated token ids"):
+        sample(logits(), [SamplingParams(presence_penalty=0.5)], [None])

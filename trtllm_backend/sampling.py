@@ -18,6 +18,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     min_tokens: int = 0  # end-of-sequence and stop strings are ignored before this many tokens
     ignore_eos: bool = False
+    # OpenAI's penalties, on the tokens generated so far (not the prompt): each logit is lowered by
+    # frequency_penalty * count + presence_penalty * (count > 0). Negative values encourage repetition.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self):
         self.validate()
@@ -43,6 +47,10 @@ class SamplingParams:
             raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequest("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (-2.0 <= value <= 2.0):
+                raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop", "must be a list of non-empty strings")
 
@@ -50,9 +58,34 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """Pick one token per row of `logits` [batch, vocab] (fp32)."""
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None) -> torch.Tensor:
+    """`logits` with each penalized row lowered for the tokens its request generated (a copy; the same
+    tensor when no row is penalized)."""
+    rows = [r for r, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    if outputs is None or len(outputs) != len(params):
+        raise ValueError("frequency/presence penalties need each row's generated token ids")
+    logits = logits.clone()
+    for r in rows:
+        if not outputs[r]:
+            continue
+        ids, counts = torch.unique(torch.tensor(outputs[r], dtype=torch.long), return_counts=True)
+        p = params[r]
+        logits[r, ids] -= counts.to(logits.dtype) * p.frequency_penalty + p.presence_penalty
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           outputs: list[list[int]] | None = None) -> list[int]:
+    """Pick one token per row of `logits` [batch, vocab] (fp32). `outputs`: each row's generated token ids so
+    far, needed only when a row has a frequency or presence penalty."""
+    logits = apply_penalties(logits, params, outputs)
     out: list[int] = []
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
