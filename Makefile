@@ -19,8 +19,8 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) tools/bench_engine.py --json results/bench_engine.json
-	$(PY) tools/bench_engine.py --weight-dtype float16 --json results/bench_engine_fp16.json
+	$(PY) -m tools.bench_engine --json results/bench_engine.json
+	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/bench_engine_fp16.json
 
 # Container deployment end to end (root; starts/stops its own dockerd when none runs).
 docker-test: setup
@@ -28,19 +28,19 @@ docker-test: setup
 
 # Offline quality: held-out perplexity vs INT4 layers per swap order (results/quality/).
 quality: setup
-	$(PY) tools/eval_quality.py
+	$(PY) -m tools.eval_quality
 
 # Re-profile the LIS swap order into the manifest.
 profile: setup
-	$(PY) tools/profile_layers.py
+	$(PY) -m tools.profile_layers
 
 # Trace replay: every policy on the default Azure-code window, then the saturation sweep (full, balanced) on its
 # second burst, then the report with both (results/replay/default/, ~40 min; docs/replay.md).
 replay: setup
-	$(PY) tools/compare_policies.py --name default --no-progress
-	$(PY) tools/compare_policies.py --name default --policies full,balanced --window-start 2260 --window 50 \
+	$(PY) -m tools.replay.compare --name default --no-progress
+	$(PY) -m tools.replay.compare --name default --policies full,balanced --window-start 2260 --window 50 \
 		--sweep 0.04,0.06,0.08,0.10,0.12 --no-progress
-	$(PY) tools/compare_policies.py --name default --report-only
+	$(PY) -m tools.replay.compare --name default --report-only
 
 replay-quick: setup
-	$(PY) tools/compare_policies.py --quick
+	$(PY) -m tools.replay.compare --quick

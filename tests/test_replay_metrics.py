@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-import replay_metrics as rm  # noqa: E402
-from replay_client import RequestRecord  # noqa: E402
-from replay_quality import load_quality  # noqa: E402
-from replay_sampler import snapshot  # noqa: E402
+from tools.replay import metrics as rm
+from tools.replay.client import RequestRecord
+from tools.replay.quality import load_quality
+from tools.replay.sampler import snapshot
 
 
 def rec(index, send, tokens, status="ok", end=None, int4=None, chunks=None, prompt=10):
@@ -119,7 +115,7 @@ nv_inference_count{model="smollm2",version="1"} 7
 
 
 @pytest.mark.parametrize("layout", [
-    # tools/eval_quality.py: the serving order's curve at every k, other orders at a few k.
+    # python -m tools.eval_quality: the serving order's curve at every k, other orders at a few k.
     {"full_precision_ppl": 10.0, "by_order": {"front-to-back": {"0": 10.0, "2": 12.0}, "LIS": {"0": 10.0, "2": 11.0}},
      "serving_curve": {"0": 10.0, "1": 10.5, "2": 11.0}},
     {"orders": {"lis": [10.0, 10.5, 11.0]}},

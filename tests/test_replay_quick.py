@@ -22,7 +22,7 @@ def quick_report(tmp_path_factory):
         pytest.skip("Azure trace not present (../shared/data/traces)")
     out_root = tmp_path_factory.mktemp("replay")
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    cmd = [sys.executable, "tools/compare_policies.py", "--quick", "--out-root", str(out_root), "--no-progress"]
+    cmd = [sys.executable, "-m", "tools.replay.compare", "--quick", "--out-root", str(out_root), "--no-progress"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out_root / "quick", proc.stdout
@@ -34,7 +34,7 @@ def test_report_files(quick_report):
                  "raw/full.json", "raw/balanced.json"):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
-    assert "python tools/compare_policies.py --quick" in report  # the exact command
+    assert "python -m tools.replay.compare --quick" in report  # the exact command
     assert "| full |" in report and "| balanced |" in report and "SLO violations cut" in report
     assert "rate x0.05" in report and "clipped to" in report  # the scaling used is stated
     assert str(ROOT) not in report  # no machine paths
@@ -69,7 +69,7 @@ def test_every_request_accounted(quick_report):
 def test_report_only_rebuilds(quick_report):
     out, _ = quick_report
     (out / "report.md").unlink()
-    proc = subprocess.run([sys.executable, "tools/compare_policies.py", "--quick", "--out-root", str(out.parent),
+    proc = subprocess.run([sys.executable, "-m", "tools.replay.compare", "--quick", "--out-root", str(out.parent),
                            "--report-only"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| balanced |" in (out / "report.md").read_text()

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from replay_traces import Shaping, Synthetic, TraceRequest, parse_clip, read_trace  # noqa: E402
+from tools.replay.paths import repo_path
+from tools.replay.traces import Shaping, Synthetic, TraceRequest, parse_clip, read_trace
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:17:03.9799600,4808,10
@@ -127,7 +123,7 @@ def test_synthetic_step_bursts():
 
 
 def test_prompts_have_the_requested_token_length():
-    from replay_prompts import DEFAULT_CORPUS, DEFAULT_FRAGMENTS, PromptSource, load_tokenizer, repo_path
+    from tools.replay.prompts import DEFAULT_CORPUS, DEFAULT_FRAGMENTS, PromptSource, load_tokenizer
 
     if not repo_path(DEFAULT_CORPUS).exists() or not (repo_path(DEFAULT_FRAGMENTS) / "manifest.json").exists():
         pytest.skip("corpus or fragment set missing")
@@ -140,13 +136,11 @@ def test_prompts_have_the_requested_token_length():
 
 
 def test_default_window_of_the_azure_code_trace_is_bursty():
-    from replay_prompts import repo_path
+    from tools.replay.settings import DEFAULT_WORKLOAD as d
 
     path = repo_path("../shared/data/traces/azure_llm_code_2023.csv")
     if not path.exists():
         pytest.skip("Azure trace not present")
-    sys.path.insert(0, str(ROOT / "tools"))
-    from compare_policies import DEFAULT_WORKLOAD as d
 
     trace = read_trace(path)
     assert len(trace) > 8000

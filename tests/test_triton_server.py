@@ -11,7 +11,6 @@ import os
 import queue
 import re
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -163,9 +162,8 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
 
 def corpus_prompts(n: int) -> list[str]:
     """Prompts of different lengths cut from the corpus when it is there, else fixed sentences."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    from perf_analyzer import DEFAULT_CORPUS
-    from perf_analyzer import corpus_prompts as cut
+    from tools.perf_analyzer import DEFAULT_CORPUS
+    from tools.perf_analyzer import corpus_prompts as cut
 
     if DEFAULT_CORPUS.exists():
         return [" ".join(p.split()[: 8 + 3 * (i % 7)]) for i, p in enumerate(cut(DEFAULT_CORPUS, n, 30))]
@@ -438,8 +436,7 @@ def test_metrics_families_move_and_ttft_counts_served_requests(triton_server):
 
 # --- perf_analyzer ----------------------------------------------------------------------------------------------
 def test_perf_analyzer_streaming_sweep(triton_server, tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
-    import perf_analyzer as pa
+    from tools import perf_analyzer as pa
 
     prompts = corpus_prompts(8)
     input_json = pa.write_input_json(prompts, max_tokens=8, path=tmp_path / "inputs.json")

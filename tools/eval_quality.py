@@ -1,6 +1,6 @@
 """Perplexity versus the number of INT4 layers, for several swap orders (the paper's Table 3/8 for this model).
 
-    python tools/eval_quality.py [--fragment-dir DIR] [--corpus FILE] [--windows 8 --seq-len 256] [--out results/quality]
+    python -m tools.eval_quality [--fragment-dir DIR] [--corpus FILE] [--windows 8 --seq-len 256] [--out results/quality]
 
 Held-out text: the last 10% of the corpus (calibration and profiling use the first 80%). Orders:
 front-to-back, back-to-front, random (seeded) and LIS (the profiled swap order in the manifest). Writes
@@ -17,13 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from engines.build_fragments import default_fragment_dir
+from engines.offline_model import OfflineModel, corpus_tokens
+from trtllm_backend.tokenizer import Tokenizer
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from engines.build_fragments import default_fragment_dir  # noqa: E402
-from engines.offline_model import OfflineModel, corpus_tokens  # noqa: E402
-from trtllm_backend.tokenizer import Tokenizer  # noqa: E402
-
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "austen_novels.txt"
 COUNTS = (0, 1, 2, 4, 8, 16, 30)
 
@@ -68,7 +66,8 @@ def plot(results: dict, full_ppl: float, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.eval_quality", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--windows", type=int, default=8)

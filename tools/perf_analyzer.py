@@ -1,6 +1,6 @@
 """perf_analyzer 2.51 against the running server: a --streaming concurrency sweep on real prompts.
 
-    python tools/perf_analyzer.py [--url localhost:8001] [--concurrency 1:4] [--max-tokens 32]
+    python -m tools.perf_analyzer [--url localhost:8001] [--concurrency 1:4] [--max-tokens 32]
         [--corpus ../shared/data/corpus/austen_novels.txt] [--out-dir build/perf] [-- extra perf_analyzer args]
 
 Installs perf_analyzer from the tritonclient==2.51.0 wheel into build/perf_analyzer (newer builds need
@@ -179,7 +179,7 @@ def run_sweep(url: str, model: str, concurrency: str, input_json: Path, out_dir:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.perf_analyzer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="localhost:8001", help="the server's gRPC endpoint")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--concurrency", default="1:4", help="start:end[:step]")

@@ -1,6 +1,6 @@
 """Profile layer importance (LIS) on corpus text and write the swap order into the manifest.
 
-    python tools/profile_layers.py [--fragment-dir DIR] [--corpus FILE] [--samples 2 --seq-len 64]
+    python -m tools.profile_layers [--fragment-dir DIR] [--corpus FILE] [--samples 2 --seq-len 64]
 """
 from __future__ import annotations
 
@@ -10,20 +10,19 @@ import sys
 import time
 from pathlib import Path
 
+from engines.build_fragments import default_fragment_dir
+from engines.layer_importance import greedy_order
+from engines.offline_model import OfflineModel, corpus_tokens
+from trtllm_backend.manifest import Manifest, write_manifest
+from trtllm_backend.tokenizer import Tokenizer
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from engines.build_fragments import default_fragment_dir  # noqa: E402
-from engines.layer_importance import greedy_order  # noqa: E402
-from engines.offline_model import OfflineModel, corpus_tokens  # noqa: E402
-from trtllm_backend.manifest import Manifest, write_manifest  # noqa: E402
-from trtllm_backend.tokenizer import Tokenizer  # noqa: E402
-
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "austen_novels.txt"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m tools.profile_layers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--samples", type=int, default=2)

@@ -21,4 +21,4 @@ fi
 .venv/bin/python -m engines.build_fragments --if-missing
 bash tools/setup_calib.sh
 .venv/bin/python -m engines.quantize_awq
-.venv/bin/python tools/profile_layers.py --if-missing
+.venv/bin/python -m tools.profile_layers --if-missing

@@ -1,16 +1,16 @@
-"""A fresh tritonserver per policy run, on free ports (trtllm_backend.serve.launch), and waiting for it to idle."""
+"""A fresh tritonserver per policy run on free ports (trtllm_backend.triton.server.launch), and waiting for it
+to idle."""
 from __future__ import annotations
 
 import time
+import urllib.request
 from pathlib import Path
 
-from replay_prompts import REPO_ROOT
-
-from trtllm_backend.serve import free_ports
+from tools.replay.paths import REPO_ROOT
+from tools.replay.sampler import snapshot
+from trtllm_backend.triton.server import free_ports, launch
 
 DYNAMIC = ("accuracy", "balanced", "performance")
-
-
 
 
 def slug(policy: str) -> str:
@@ -19,19 +19,17 @@ def slug(policy: str) -> str:
 
 
 class Server:
-    """A fresh tritonserver for one policy (trtllm_backend.serve.launch on free ports)."""
+    """A fresh tritonserver for one policy (trtllm_backend.triton.server.launch on free ports)."""
 
     def __init__(self, policy: str, params: dict[str, str], log_dir: Path):
-        from trtllm_backend import serve
-
         http, grpc, metrics = free_ports(3)
         log_dir.mkdir(parents=True, exist_ok=True)
         t = time.monotonic()
-        self.handle = serve.launch(REPO_ROOT / "model_repository", http_port=http, grpc_port=grpc,
-                                   metrics_port=metrics, params={**params, "morph_policy": policy},
-                                   backend_dir=REPO_ROOT / "build" / "backends", build_dir=REPO_ROOT / "build",
-                                   log_path=log_dir / f"server_{slug(policy)}.log", ready_timeout=600,
-                                   exit_timeout_s=15)
+        self.handle = launch(REPO_ROOT / "model_repository", http_port=http, grpc_port=grpc,
+                             metrics_port=metrics, params={**params, "morph_policy": policy},
+                             backend_dir=REPO_ROOT / "build" / "backends", build_dir=REPO_ROOT / "build",
+                             log_path=log_dir / f"server_{slug(policy)}.log", ready_timeout=600,
+                             exit_timeout_s=15)
         print(f"[compare] {policy}: server ready in {time.monotonic() - t:.0f} s (gRPC :{grpc})", flush=True)
 
     def __enter__(self):
@@ -43,10 +41,6 @@ class Server:
 
 def wait_idle(metrics_url: str, dynamic: bool, timeout_s: float = 90.0) -> None:
     """Between sweep points: no request held, and every layer a dynamic policy swapped restored."""
-    import urllib.request
-
-    from replay_sampler import snapshot
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with urllib.request.urlopen(metrics_url, timeout=5) as resp:

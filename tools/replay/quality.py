@@ -1,4 +1,4 @@
-"""The quality column: perplexity against the number of INT4 layers, from tools/eval_quality.py's table.
+"""The quality column: perplexity against the number of INT4 layers, from `python -m tools.eval_quality`'s table.
 
 results/quality/quality.json holds `serving_curve` (perplexity at every k = 0..num_layers for the swap order
 the server uses, the manifest's LIS order) and `by_order` ({order: {k: ppl}} at a few k). For order "lis" the
@@ -73,7 +73,7 @@ def load_quality(path: str | Path, order: str = "lis") -> tuple[dict[int, float]
     """(perplexity by INT4-layer count, a note for the report); the table is None when unusable."""
     path = Path(path)
     if not path.exists():
-        return None, f"quality n/a: {path.name} not found (run tools/eval_quality.py first)"
+        return None, f"quality n/a: {path.name} not found (run python -m tools.eval_quality first)"
     try:
         table = _find(json.loads(path.read_text()), order)
     except (OSError, json.JSONDecodeError) as exc:

@@ -6,26 +6,18 @@ cut can change the count by a token or two).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tools.replay.paths import repo_path
+from trtllm_backend.manifest import Manifest
+from trtllm_backend.tokenizer import Tokenizer
+
 DEFAULT_CORPUS = "../shared/data/corpus/austen_novels.txt"  # relative to the repository root
 DEFAULT_FRAGMENTS = "model_repository/smollm2/1/fragments"
 
 
-def repo_path(path: str | Path) -> Path:
-    """Relative paths are relative to the repository root (defaults point at ../shared)."""
-    path = Path(path)
-    return path if path.is_absolute() else (REPO_ROOT / path).resolve()
-
-
 def load_tokenizer(fragment_dir: str | Path = DEFAULT_FRAGMENTS):
     """The tokenizer the server uses: the fragment set's tokenizer.json (trtllm_backend.tokenizer)."""
-    sys.path.insert(0, str(REPO_ROOT))
-    from trtllm_backend.manifest import Manifest
-    from trtllm_backend.tokenizer import Tokenizer
-
     return Tokenizer(Manifest(repo_path(fragment_dir)))
 
 

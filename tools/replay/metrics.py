@@ -1,7 +1,7 @@
 """Serving metrics from per-request timelines, with the vLLM serving benchmark's definitions.
 
 Pure functions over records that have `send_s, first_token_s, end_s, token_s, chunk_s, int4_layers, status,
-prompt_tokens` (tools/replay_client.RequestRecord, or anything shaped like it):
+prompt_tokens` (tools.replay.client.RequestRecord, or anything shaped like it):
 
 - TTFT  = first token - send;            E2EL = end - send
 - TPOT  = (E2EL - TTFT) / (output tokens - 1), per request with more than one token

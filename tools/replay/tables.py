@@ -1,11 +1,12 @@
-"""report.md of a policy comparison: the table, the issue's targets checked against it, the sweep."""
+"""The text tables: one run's summary (as vLLM's benchmark prints it) and, for report.md of a policy
+comparison, the policy table, the issue's targets checked against it, and the sweep."""
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass
 
-import replay_metrics as rm
+from tools.replay import metrics as rm
 
 # The issue's targets: dynamic `balanced` against static `full` (and `int4` for quality).
 TARGETS = {"violation_cut": 0.90, "p95_ratio": 2.5, "quality_share": 1 / 3, "saturation_ratio": 1.5}
@@ -40,6 +41,27 @@ def make_row(policy: str, result, slo: rm.Slo, own: rm.Slo, ppl_at: dict[int, fl
         except KeyError:
             pass  # a count the table lacks: leave n/a rather than guess
     return row
+
+
+def format_summary(s: rm.Summary, unloaded: list[float] | None = None) -> str:
+    ms = lambda x: f"{x * 1e3:10.1f}"  # noqa: E731
+    lines = [f"{'requests (completed/rejected/failed)':<40}{s.requests} ({s.completed}/{s.rejected}/{s.failed})",
+             f"{'duration (s)':<40}{s.duration_s:.1f}",
+             f"{'request throughput (req/s)':<40}{s.request_throughput:.3f}",
+             f"{'output token throughput (tok/s)':<40}{s.output_throughput:.2f}",
+             f"{'total token throughput (tok/s)':<40}{s.total_token_throughput:.2f}",
+             f"{'goodput (req/s)':<40}{s.goodput:.3f}"]
+    if unloaded:
+        lines.append(f"{'unloaded median TTFT (ms)':<40}{statistics.median(unloaded) * 1e3:.1f}")
+    lines.append(f"{'TTFT SLO (ms)':<40}{s.slo.ttft_s * 1e3:.1f}"
+                 + (f"   TPOT SLO (ms) {s.slo.tpot_s * 1e3:.1f}" if s.slo.tpot_s else ""))
+    lines.append(f"{'SLO violation rate':<40}{s.slo_violation_rate:.1%}")
+    lines.append(f"{'':<12}{'mean':>10}{'P50':>10}{'P95':>10}{'P99':>10}   (ms)")
+    for name, d in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2EL", s.e2el)):
+        lines.append(f"{name:<12}{ms(d.mean)}{ms(d.p50)}{ms(d.p95)}{ms(d.p99)}")
+    lines.append(f"{'INT4 layers per generated token (mean)':<40}{s.mean_int4_layers:.2f}; "
+                 f"tokens at full precision {s.full_precision_share:.1%}")
+    return "\n".join(lines)
 
 
 def _f(x: float, spec: str, scale: float = 1.0, suffix: str = "") -> str:

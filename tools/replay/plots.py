@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-import replay_metrics as rm  # noqa: E402
+from tools.replay import metrics as rm  # noqa: E402
 
 BIN_S = 5.0  # arrival-rate bins
 
