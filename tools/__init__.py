@@ -1,2 +1,2 @@
-"""Developer tools (benchmarks, profiler, quality, trace replay), run as modules from the repository root:
-`python -m tools.<name>` (README, "Tools")."""
+"""Developer tools (engine benchmark, LIS profiler, quality, perf_analyzer wrapper, trace replay), run as modules
+from the repository root: `python -m tools.<name>`; the trace-replay harness is the package `tools.replay`."""
