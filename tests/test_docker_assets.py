@@ -17,7 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "morphserve.json"
-METRICS_SRC = ROOT / "trtllm_backend" / "triton_metrics.py"
+METRICS_SRC = ROOT / "trtllm_backend" / "triton" / "metrics.py"
 
 # The fixed metric contract (used when the glue's source is absent): name -> allowed label values.
 EXPORTED = {
@@ -132,7 +132,7 @@ def compose_params(service: str, env: dict[str, str] | None = None) -> dict[str,
 @pytest.mark.parametrize("policy", ["balanced", "accuracy", "performance", "full", "int4", "int4:8"])
 def test_compose_parameters_are_valid_server_parameters(policy):
     """What compose passes must load: the launcher rejects unknown names and bad values before Triton starts."""
-    from trtllm_backend import triton_params
+    from trtllm_backend.triton import params as triton_params
 
     for service in ("triton", "triton-gpu"):
         params = compose_params(service, {"MORPHSERVE_POLICY": policy})

@@ -1,8 +1,8 @@
 """trtllm_backend.openmp_env: the OpenMP waiting settings every engine process gets."""
 from __future__ import annotations
 
-from trtllm_backend import serve
 from trtllm_backend.openmp_env import OPENMP_ENV, with_openmp_defaults
+from trtllm_backend.triton.discovery import server_env
 
 
 def test_defaults_fill_only_what_is_unset():
@@ -12,6 +12,6 @@ def test_defaults_fill_only_what_is_unset():
 
 
 def test_the_server_process_gets_them_unless_the_caller_set_its_own():
-    env = serve.server_env({"PATH": "/bin"})
+    env = server_env({"PATH": "/bin"})
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "20000"
-    assert serve.server_env({"PATH": "/bin", "GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"
+    assert server_env({"PATH": "/bin", "GOMP_SPINCOUNT": "0"})["GOMP_SPINCOUNT"] == "0"

@@ -4,6 +4,7 @@ The fake engine is driven by hand (`engine.step()`), so every response order is 
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import sys
@@ -16,7 +17,7 @@ import pytest
 
 from trtllm_backend.errors import InvalidRequest, QueueFull
 from trtllm_backend.outputs import EngineStats, RequestOutput, RequestTimings
-from trtllm_backend.triton_params import PARAMS, ParamError
+from trtllm_backend.triton.params import PARAMS, ParamError
 
 MODEL_PY = Path(__file__).resolve().parent.parent / "model_repository" / "smollm2" / "1" / "model.py"
 FINAL = 1
@@ -222,6 +223,15 @@ def model_module(monkeypatch):
     monkeypatch.setattr(module, "create_engine", lambda config: engine)
     module.fake_engine = engine
     return module
+
+
+def test_model_does_not_patch_sys_path():
+    """model.py imports the project from the environment it runs in (the editable install, or the Docker
+    image's .pth file); a sys.path edit would hide a broken install."""
+    tree = ast.parse(MODEL_PY.read_text())
+    uses = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path"
+            and isinstance(n.value, ast.Name) and n.value.id == "sys"]
+    assert uses == [], f"model.py touches sys.path at lines {uses}"
 
 
 def load(module, params=None, decoupled=True):

@@ -1,4 +1,4 @@
-"""The parameter table: parsing, validation messages, the shipped config.pbtxt, the launcher's overrides."""
+"""trtllm_backend.triton.params: the parameter table, parsing, validation messages, the README table."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from trtllm_backend import serve, triton_params
-from trtllm_backend.triton_params import BY_NAME, PARAMS, ParamError, parse_assignment, parse_params
+from trtllm_backend.triton import params as triton_params
+from trtllm_backend.triton.params import BY_NAME, PARAMS, ParamError, parse_assignment, parse_params
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "model_repository" / "smollm2" / "config.pbtxt"
 
 
 def test_defaults_parse_and_fill_every_target():
@@ -107,44 +106,8 @@ def test_engine_config_errors_name_the_parameter():
         triton_params.engine_config(parsed)
 
 
-# --- the shipped config.pbtxt and the docs --------------------------------------------------------------------
-def test_shipped_config_lists_every_parameter_at_its_default():
-    values = serve.read_parameters(CONFIG.read_text())
-    assert values == {p.name: p.default for p in PARAMS}
-
-
+# --- the docs ----------------------------------------------------------------------------------------------------
 def test_docs_table_is_generated_from_the_table():
     doc = (ROOT / "README.md").read_text()
-    assert triton_params.markdown_table() in doc, "regenerate: python -m trtllm_backend.triton_params"
+    assert triton_params.markdown_table() in doc, "regenerate: python -m trtllm_backend.triton.params"
 
-
-# --- launcher overrides ---------------------------------------------------------------------------------------
-def test_set_parameters_replaces_and_appends():
-    text = 'name: "m"\nparameters: {\n  key: "block_size"\n  value: { string_value: "16" }\n}\n'
-    out = serve.set_parameters(text, {"block_size": "32", "device": 'c"p\\u'})
-    assert serve.read_parameters(out) == {"block_size": "32", "device": 'c"p\\u'}
-    assert out.count("parameters") == 2
-
-
-def test_overrides_are_validated_before_any_server_starts():
-    repo = ROOT / "model_repository"
-    with pytest.raises(ParamError, match="'block_size'"):
-        serve.model_parameters(repo, "smollm2", {"block_size": "zero"})
-    with pytest.raises(ParamError, match="'nope'"):
-        serve.launch(repo, params={"nope": "1"}, build_fragments=False)
-    parsed = serve.model_parameters(repo, "smollm2", {"block_size": "32"})
-    assert parsed.engine["block_size"] == 32
-
-
-def test_apply_overrides_writes_an_edited_copy(tmp_path):
-    repo = tmp_path / "repo"
-    (repo / "m" / "1").mkdir(parents=True)
-    (repo / "m" / "1" / "model.py").write_text("# model")
-    (repo / "m" / "config.pbtxt").write_text('parameters: { key: "block_size" value: { string_value: "16" } }\n')
-    (repo / "other").mkdir()
-    dest = serve.apply_overrides(repo, "m", {"block_size": "8", "max_queue_size": "2"}, tmp_path / "copy")
-    assert serve.read_parameters((dest / "m" / "config.pbtxt").read_text()) == {"block_size": "8",
-                                                                                 "max_queue_size": "2"}
-    assert (dest / "m" / "1").is_symlink() and (dest / "m" / "1" / "model.py").read_text() == "# model"
-    assert (dest / "other").is_symlink()
-    assert serve.read_parameters((repo / "m" / "config.pbtxt").read_text()) == {"block_size": "16"}

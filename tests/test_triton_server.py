@@ -222,10 +222,11 @@ def test_sampling_inputs_are_honoured(triton_server):
 # --- 16 concurrent clients vs. offline greedy -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def offline_engine():
-    from trtllm_backend import serve, triton_params
     from trtllm_backend.engine import LLMEngine
+    from trtllm_backend.triton import params as triton_params
+    from trtllm_backend.triton.config_pbtxt import model_parameters
 
-    parsed = serve.model_parameters(ROOT / "model_repository", MODEL, TEST_SERVER_PARAMS)
+    parsed = model_parameters(ROOT / "model_repository", MODEL, TEST_SERVER_PARAMS)
     return LLMEngine(triton_params.engine_config(parsed))
 
 

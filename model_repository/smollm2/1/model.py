@@ -20,16 +20,17 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-try:
-    import trtllm_backend  # noqa: F401  (the launcher puts the project on PYTHONPATH)
-except ImportError:  # a server started by hand: the project root is three folders above this version folder
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+try:  # installed into the stub's environment: the venv's editable install, a .pth file in the Docker images
+    import trtllm_backend  # noqa: F401
+except ImportError as exc:
+    raise ImportError(f"{exc}: the Python environment tritonserver runs this model in lacks the MorphServe "
+                      "project; install it there (pip install -e <project root>)") from exc
 
-from trtllm_backend import triton_params
 from trtllm_backend.errors import InvalidRequest, QueueFull
 from trtllm_backend.outputs import RequestOutput
 from trtllm_backend.sampling import SamplingParams
-from trtllm_backend.triton_metrics import TritonMetrics
+from trtllm_backend.triton import params as triton_params
+from trtllm_backend.triton.metrics import TritonMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .outputs import EngineStats, RequestTimings
+from ..outputs import EngineStats, RequestTimings
 
 # Seconds. TTFT/queue time span a quiet server (ms) to a burst on two cores (tens of seconds).
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]

@@ -1,7 +1,7 @@
 """The one table of model parameters (config.pbtxt `parameters`, all strings).
 
 Used by model.py (parse at load), by the launcher (validate `--param NAME=VALUE` before the server starts)
-and to generate the README table (`python -m trtllm_backend.triton_params`). To add a setting, add a row:
+and to generate the README table (`python -m trtllm_backend.triton.params`). To add a setting, add a row:
 its target says where the parsed value goes (an EngineConfig field, a default SamplingParams field, or a
 ModelSettings field read by the Triton glue itself).
 """
@@ -214,7 +214,7 @@ def parse_assignment(text: str) -> tuple[str, str]:
 
 def engine_config(parsed: ParsedParams):
     """Build the EngineConfig; its own cross-field checks are re-raised naming the parameter(s)."""
-    from .config import EngineConfig  # NOTE: imported late so the launcher can validate without the engine
+    from ..config import EngineConfig  # NOTE: imported late so the launcher can validate without the engine
 
     try:
         return EngineConfig(**parsed.engine)
@@ -224,7 +224,7 @@ def engine_config(parsed: ParsedParams):
 
 
 def config_field_names() -> set[str]:
-    from .config import EngineConfig
+    from ..config import EngineConfig
 
     return {f.name for f in fields(EngineConfig)}
 

@@ -1,0 +1,226 @@
+"""One running tritonserver: `launch()` starts it on a model repository and returns a `ServerHandle`.
+
+The handle stops it (SIGTERM, then SIGKILL), ends its Python backend stubs with it, removes the shared memory
+they leaked and the edited repository copy, and watches the stubs: a dead stub stops the whole server.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import params as triton_params
+from .config_pbtxt import apply_overrides, model_parameters
+from .discovery import PROJECT_ROOT, find_triton, prepare_backend_dir, server_env
+
+SHM_PREFIX = "triton_python_backend_shm_region_"
+PR_SET_PDEATHSIG = 1
+
+
+def free_ports(n: int) -> list[int]:
+    """n TCP ports free right now (for servers started side by side: tests, benchmarks)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def ensure_fragments(parsed: triton_params.ParsedParams) -> None:
+    frag = Path(parsed.engine["fragment_dir"])
+    if (frag / "manifest.json").exists():
+        return
+    print(f"[serve] no fragments in {frag}: building them (engines.build_fragments --if-missing)", flush=True)
+    subprocess.run([sys.executable, "-m", "engines.build_fragments", "--if-missing"], cwd=PROJECT_ROOT,
+                   env=server_env(), check=True)
+
+
+@dataclass(slots=True)
+class ServerHandle:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    model: str
+    shm_prefix: str  # the Python backend's shared-memory regions are /dev/shm/<shm_prefix>*
+    log_path: Path | None = None
+    repo_copy: Path | None = None  # the edited copy of the repository (--param), removed on stop
+    exit_timeout_s: int = 30
+    stub_died: bool = False  # set by the watcher when a Python backend stub exited under a running server
+    stopping: bool = False  # stop() was called: stubs exiting now is the normal unload
+    _log_file: object = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float | None = None) -> int:
+        """SIGTERM (Triton unloads models: finalize drains), then SIGKILL after `timeout` (default: the exit
+        timeout plus a margin: with a request stuck in a dead stub tritonserver never exits by itself)."""
+        self.stopping = True
+        with self._lock:
+            if self.alive():
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(self.exit_timeout_s + 5 if timeout is None else timeout)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+            # NOTE: a killed (or crashed) tritonserver leaves its Python stubs running, each holding the
+            # model; they share the server's process group (start_new_session), so end what is left of it.
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+            self.clean_shm()
+            if self.repo_copy is not None:
+                shutil.rmtree(self.repo_copy, ignore_errors=True)
+            return self.process.returncode
+
+    def stub_pids(self) -> list[int]:
+        """The server's children: the Python backend stubs, one per model instance."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                after_name = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(after_name[1]) == self.process.pid and after_name[0] != "Z":
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def watch_stubs(self, interval: float = 1.0) -> threading.Thread:
+        """A stub that dies leaves Triton "ready" but answering every request with an error, and a request
+        in flight never ends: stop the whole server instead, so a supervisor (or the caller) can restart it."""
+        expected = len(self.stub_pids())
+
+        def watch():
+            while self.alive() and not self.stopping and len(self.stub_pids()) >= expected:
+                time.sleep(interval)
+            if self.alive() and not self.stopping:
+                self.stub_died = True
+                print("[serve] a Python backend stub exited: stopping tritonserver", file=sys.stderr, flush=True)
+                self.stop()
+
+        thread = threading.Thread(target=watch, name="stub-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def clean_shm(self) -> list[Path]:
+        """Remove this server's leaked shared-memory regions (a crashed stub leaves them behind)."""
+        leaked = sorted(Path("/dev/shm").glob(self.shm_prefix + "*"))
+        for path in leaked:
+            path.unlink(missing_ok=True)
+        return leaked
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch(model_repository: str | Path = "model_repository", *, model: str = "smollm2", http_port: int = 8000,
+           grpc_port: int = 8001, metrics_port: int = 8002, params: dict[str, str] | None = None,
+           backend_dir: str | Path = "build/backends", build_dir: str | Path = "build",
+           build_fragments: bool = True, log_path: str | Path | None = None, ready_timeout: float = 300.0,
+           exit_timeout_s: int = 30, extra_args: list[str] | None = None, check_params: bool = True) -> ServerHandle:
+    """Start tritonserver and return once /v2/health/ready answers 200 (every model loaded).
+    check_params=False skips the launcher's own check, so the model's load-time check is what refuses."""
+    repo = _rooted(model_repository).resolve()
+    if not (repo / model / "config.pbtxt").exists():
+        raise FileNotFoundError(f"{repo / model / 'config.pbtxt'} not found")
+    overrides = dict(params or {})
+    if check_params:
+        parsed = model_parameters(repo, model, overrides)  # fails here, before any server starts
+        if build_fragments:
+            ensure_fragments(parsed)
+    repo_copy = None
+    if overrides:
+        repo = repo_copy = apply_overrides(repo, model, overrides,
+                                           _rooted(build_dir) / f"model_repository.{uuid.uuid4().hex[:8]}")
+    install = find_triton()
+    backends = prepare_backend_dir(install, _rooted(backend_dir))
+    # NOTE: a prefix of our own, so cleaning leaked regions never touches another server's.
+    shm_prefix = f"{SHM_PREFIX}{uuid.uuid4().hex[:8]}_"
+    cmd = [str(install.server), f"--model-repository={repo}", f"--backend-directory={backends}",
+           f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
+           "--allow-metrics=true", f"--exit-timeout-secs={exit_timeout_s}",
+           f"--backend-config=python,shm-region-prefix-name={shm_prefix}", *(extra_args or [])]
+    log_file = open(log_path, "w") if log_path else None
+    process = subprocess.Popen(cmd, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
+                               start_new_session=True, preexec_fn=_die_with_parent)
+    handle = ServerHandle(process, http_port, grpc_port, metrics_port, model, shm_prefix,
+                          Path(log_path) if log_path else None, repo_copy, exit_timeout_s, _log_file=log_file)
+    try:
+        _wait_ready(handle, ready_timeout)
+    except BaseException:
+        handle.stop(timeout=10)
+        raise
+    handle.watch_stubs()
+    return handle
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launching thread dies, so a killed launcher or test run
+    never leaves a server (and its model-holding stubs) behind. NOTE: call launch() from a long-lived thread."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux/glibc: the server simply outlives a killed launcher
+        pass
+
+
+def _wait_ready(handle: ServerHandle, timeout: float) -> None:
+    url = f"http://localhost:{handle.http_port}/v2/health/ready"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not handle.alive():
+            raise RuntimeError(f"tritonserver exited with code {handle.process.returncode} before it was ready"
+                               + (f"; last log lines:\n{handle.log_tail()}" if handle.log_path else ""))
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s")
+
+
+def _rooted(path: str | Path) -> Path:
+    path = Path(path)
+    return path if path.is_absolute() else Path.cwd() / path
