@@ -1,0 +1,157 @@
+"""Request models of the OpenAI API subset the gateway serves, and their checks.
+
+Policy: types are strict (no "5" for 5, no 1 for true), unknown fields are refused, and OpenAI fields the
+engine cannot honour (n > 1, logprobs, logit_bias, echo, suffix, best_of > 1) are refused rather than
+ignored; every refusal is a 400 naming the field.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import OpenAIError, bad_param
+
+MAX_STOP = 4  # as OpenAI
+UINT64_MAX = 2**64 - 1  # the Triton model's seed is UINT64
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _Generation(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # OpenAI's end-user tag: accepted, not used
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check(self) -> None:
+        """What pydantic's field types cannot say."""
+        if self.n not in (None, 1):
+            raise bad_param("n", f"only n=1 is supported, got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise bad_param("stream_options", "is only allowed when stream is true")
+        if self.logit_bias:
+            raise bad_param("logit_bias", "is not supported")
+        stops = self.stop_list
+        if len(stops) > MAX_STOP:
+            raise bad_param("stop", f"at most {MAX_STOP} sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise bad_param("stop", "sequences must not be empty")
+
+    @property
+    def output_limit(self) -> tuple[str, int | None]:
+        """(the field the client used for the output limit, its value)."""
+        return "max_tokens", self.max_tokens
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs or self.top_logprobs is not None:
+            raise bad_param("logprobs" if self.logprobs else "top_logprobs", "log probabilities are not supported")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise bad_param("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+
+    @property
+    def output_limit(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise bad_param("prompt", f"one prompt per request is supported, got a list of {len(self.prompt)}")
+        if not self.text:
+            raise bad_param("prompt", "must not be empty")
+        for name, unsupported in (("echo", self.echo), ("logprobs", self.logprobs is not None),
+                                  ("suffix", self.suffix is not None), ("best_of", self.best_of not in (None, 1))):
+            if unsupported:
+                raise bad_param(name, "is not supported")
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+# pydantic adds the union member it tried to an error's location ("content", "str"); OpenAI names the field.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _param_name(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in part or "-" in part:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def parse(model: type[_Generation], body: object) -> _Generation:
+    """A checked request, or a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", param="body", code="invalid_body")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        # The deepest error is the most specific: for a union it is the branch that got furthest.
+        first = max(exc.errors(include_url=False), key=lambda e: len(e["loc"]))
+        param = _param_name(first["loc"])
+        detail = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+        raise bad_param(param, detail) from None
+    request.check()
+    return request

@@ -1,0 +1,150 @@
+"""The gateway's side of Triton: one gRPC bidirectional stream per request (tritonclient.grpc.aio).
+
+Every request is sent with stream=true, so the gateway sees each piece as the engine makes it; a
+non-streaming OpenAI answer is those pieces joined. Closing the call early (client gone) cancels the
+stream, which Triton marks as cancelled and the model aborts (its KV blocks freed within an iteration).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import InferInput
+from tritonclient.utils import InferenceServerException
+
+from .errors import OpenAIError, bad_param
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class Generation:
+    """What the gateway asks of the model (OpenAI names; None: the model's default)."""
+
+    prompt: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+
+@dataclass(slots=True)
+class Piece:
+    text: str
+    tokens: int  # generated tokens in this piece
+    final: bool = False
+    finish_reason: str | None = None  # on the final piece: "stop" or "length"
+    prompt_tokens: int = 0  # the engine's count (on every piece)
+
+
+# Triton input -> (the OpenAI field it came from, Triton datatype, numpy type)
+_INPUTS = {
+    "max_tokens": ("max_tokens", "INT32", np.int32),
+    "temperature": ("temperature", "FP32", np.float32),
+    "top_p": ("top_p", "FP32", np.float32),
+    "random_seed": ("seed", "UINT64", np.uint64),
+    "frequency_penalty": ("frequency_penalty", "FP32", np.float32),
+    "presence_penalty": ("presence_penalty", "FP32", np.float32),
+}
+OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop"}
+
+
+def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
+    t = InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def build_inputs(gen: Generation) -> list[InferInput]:
+    """Tensors as TensorRT-LLM clients send them (shape [1, 1]); unset fields are left to the model."""
+    tensors = [_tensor("text_input", np.array([[gen.prompt.encode()]], dtype=np.object_), "BYTES"),
+               _tensor("stream", np.array([[True]]), "BOOL")]
+    for name, (field, datatype, dtype) in _INPUTS.items():
+        value = getattr(gen, field)
+        if value is not None:
+            tensors.append(_tensor(name, np.array([[value]], dtype=dtype), datatype))
+    if gen.stop:
+        tensors.append(_tensor("stop_words", np.array([[s.encode() for s in gen.stop]], dtype=np.object_), "BYTES"))
+    return tensors
+
+
+def triton_error(message: str, prompt_field: str, limit_field: str) -> OpenAIError:
+    """A Triton error message -> OpenAI's shape. Triton 2.51 streams carry only the message, so the model's
+    message conventions decide: "queue full: ..." (UNAVAILABLE) and "<input>: ..." (INVALID_ARG)."""
+    if message.startswith("queue full"):
+        return OpenAIError(503, f"the server is at capacity, retry later ({message})", code="queue_full")
+    name, sep, detail = message.partition(": ")
+    if sep:
+        renamed = OPENAI_NAME | {"text_input": prompt_field, "max_tokens": limit_field}
+        if name in renamed:
+            return bad_param(renamed[name], detail)
+    return OpenAIError(500, f"the model failed: {message}", code="model_error")
+
+
+class TritonBackend:
+    def __init__(self, url: str, model: str):
+        self.url = url
+        self.model = model
+        self.client = grpcaio.InferenceServerClient(url)
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_server_live() and await self.client.is_model_ready(self.model)
+        except (InferenceServerException, grpc.RpcError):
+            return False
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def generate(self, gen: Generation, prompt_field: str, limit_field: str) -> AsyncIterator[Piece]:
+        """Pieces until the final one; an OpenAIError for a refused or failed request."""
+        done = asyncio.Event()
+        request = {"model_name": self.model, "inputs": build_inputs(gen), "request_id": f"oai-{next(_ids)}",
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        async def requests():
+            yield request
+            await done.wait()  # NOTE: keep our half of the stream open until the model's final response
+
+        call = self.client.stream_infer(requests())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    raise triton_error(error.message(), prompt_field, limit_field)
+                piece = _piece(result)
+                finished = piece.final
+                yield piece
+                if finished:
+                    return
+        except InferenceServerException as exc:  # the call itself failed (server unreachable)
+            raise OpenAIError(503, f"Triton at {self.url} is unavailable: {exc.message()}", code="triton_unavailable") from None
+        except grpc.RpcError as exc:
+            raise OpenAIError(503, f"Triton at {self.url} is unavailable: {exc.details()}", code="triton_unavailable") from None
+        finally:
+            done.set()
+            if not finished:  # the client went away (or we failed): cancel the request in Triton
+                call.cancel()
+
+
+def _piece(result) -> Piece:
+    final = result.get_response().parameters["triton_final_response"].bool_param
+    text = result.as_numpy("text_output")
+    if text is None:  # the empty final response
+        return Piece("", 0, final=True)
+    reason = result.as_numpy("finish_reason")
+    prompt = result.as_numpy("prompt_token_count")
+    return Piece(text=text.reshape(-1)[0].decode("utf-8"),
+                 tokens=int(result.as_numpy("output_token_count").reshape(-1)[0]),
+                 final=final,
+                 finish_reason=(reason.reshape(-1)[0].decode() or None) if reason is not None else None,
+                 prompt_tokens=int(prompt.reshape(-1)[0]) if prompt is not None else 0)
