@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from trtllm_backend.errors import FragmentError
-from trtllm_backend.manifest import FORMAT_VERSION, FULL, Manifest, config_dict, file_entry, write_manifest
+from trtllm_backend.manifest import FORMAT_VERSION, Manifest, config_dict, file_entry, write_manifest
+from trtllm_backend.precision import Precision
 
 from .checkpoint import Checkpoint
 from .gguf_import import load_gguf
@@ -38,7 +39,7 @@ def fragments_ok(out: Path) -> bool:
         m = Manifest(out)
         m.verified_path(m.data["shared"])
         for i in range(m.num_layers):
-            m.verified_path(m.fragment(i, FULL))
+            m.verified_path(m.fragment(i, Precision.FULL))
         return True
     except (FragmentError, KeyError, TypeError):
         return False
@@ -50,9 +51,9 @@ def build(ckpt: Checkpoint, out: Path, model_name: str) -> dict:
     save_file(ckpt.shared(), out / "shared.safetensors", metadata={"format": "pt"})
     layers = []
     for i in tqdm(range(ckpt.config.num_layers), desc="full-precision fragments", unit="layer"):
-        path = out / layer_file(i, FULL)
-        save_file(ckpt.layer(i), path, metadata={"format": "pt", "layer": str(i), "precision": FULL})
-        layers.append({"index": i, "fragments": {FULL: file_entry(path, dtype="float32", format="safetensors")}})
+        path = out / layer_file(i, Precision.FULL)
+        save_file(ckpt.layer(i), path, metadata={"format": "pt", "layer": str(i), "precision": Precision.FULL})
+        layers.append({"index": i, "fragments": {Precision.FULL: file_entry(path, dtype="float32", format="safetensors")}})
     specials = [t for t in (ckpt.config.bos_token_id, ckpt.config.eos_token_id) if t is not None]
     manifest = {
         "format_version": FORMAT_VERSION,

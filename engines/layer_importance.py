@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from trtllm_backend.precision import Precision
+
 from .offline_model import OfflineModel
 
 
@@ -29,9 +31,9 @@ def static_scores(m: OfflineModel, ids: torch.Tensor) -> tuple[list[float], list
     for i, slot in enumerate(m.model.slots):
         x, y = states[i], states[i + 1]
         lts.append(_cos(x, y))
-        slot.bind(m.int4[i], "int4")
+        slot.bind(m.int4[i], Precision.INT4)
         y_q = slot.forward(x, *rope, plan)
-        slot.bind(m.full[i], "full")
+        slot.bind(m.full[i], Precision.FULL)
         lrs.append(_cos(y, y_q))
     return lts, lrs
 
@@ -53,9 +55,9 @@ def greedy_order(m: OfflineModel, ids: torch.Tensor, rounds: int | None = None) 
         for p in range(n):
             if p in chosen:
                 continue
-            m.model.slots[p].bind(m.int4[p], "int4")
+            m.model.slots[p].bind(m.int4[p], Precision.INT4)
             out = m.run_layers(states[p], p, plan, rope)  # layers before p are unchanged: start at p
-            m.model.slots[p].bind(m.full[p], "full")
+            m.model.slots[p].bind(m.full[p], Precision.FULL)
             mds = _cos(ref, out)
             lis = 0.25 * lts[p] + 0.25 * lrs[p] + 0.5 * mds
             scores[p] = {"lts": lts[p], "lrs": lrs[p], "mds": mds, "lis": lis}

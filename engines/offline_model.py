@@ -11,14 +11,14 @@ import torch.nn.functional as F
 
 from plugins import skinny_gemm
 from plugins.elementwise import rms_norm
-from plugins.paged_attention import AttentionPlan, SeqSlice
+from trtllm_backend.attention import AttentionPlan, SeqSlice
 from trtllm_backend.fragments import FragmentStore
 from trtllm_backend.kv_cache import KVPool
 from trtllm_backend.layers import LayerWeights
-from trtllm_backend.manifest import FULL, Manifest
+from trtllm_backend.manifest import Manifest
 from trtllm_backend.model import LlamaModel
+from trtllm_backend.precision import Precision
 
-INT4 = "int4"
 BLOCK = 16
 
 
@@ -29,13 +29,13 @@ class OfflineModel:
         self.model = LlamaModel(self.store, max_len)
         self.config = self.manifest.config
         self.full: list[LayerWeights] = [s.weights for s in self.model.slots]
-        self.int4: list[LayerWeights] = [self.store.load_layer(i, INT4) for i in range(self.config.num_layers)]
+        self.int4: list[LayerWeights] = [self.store.load_layer(i, Precision.INT4) for i in range(self.config.num_layers)]
         self.pool = KVPool(self.config, BLOCK, torch.float32)
 
     def set_quantized(self, layers) -> None:
         q = set(layers)
         for i, slot in enumerate(self.model.slots):
-            slot.bind(self.int4[i] if i in q else self.full[i], INT4 if i in q else FULL)
+            slot.bind(self.int4[i] if i in q else self.full[i], Precision.INT4 if i in q else Precision.FULL)
 
     def _plan(self, batch: int, length: int) -> AttentionPlan:
         need = batch * -(-length // BLOCK)

@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 from plugins.quant_matmul import GROUP_SIZE, quantize_int4, quantize_int8
 from trtllm_backend.errors import FragmentError
-from trtllm_backend.manifest import FULL, Manifest, file_entry, write_manifest
+from trtllm_backend.manifest import Manifest, file_entry, write_manifest
+from trtllm_backend.precision import Precision
 
 from .build_fragments import REPO_ROOT, default_fragment_dir, layer_file
 
-INT4, INT8 = "int4", "int8"
 METHOD = "awq-modelopt"
 DEFAULT_CORPUS = "../shared/data/corpus/austen_novels.txt"
 CALIB_FRACTION = 0.8  # calibration text comes from the first 80%; the last 10% is held-out perplexity text
@@ -62,7 +62,7 @@ def build_hf_model(manifest: Manifest):
         model = LlamaForCausalLM(config)
     state = dict(load_file(manifest.verified_path(manifest.data["shared"])))
     for i in range(c.num_layers):
-        tensors = load_file(manifest.verified_path(manifest.fragment(i, FULL)))
+        tensors = load_file(manifest.verified_path(manifest.fragment(i, Precision.FULL)))
         state.update({f"model.layers.{i}.{k}": v for k, v in tensors.items()})
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
@@ -150,7 +150,7 @@ def fragments_current(manifest: Manifest, precisions: list[str], group_size: int
         for i in range(manifest.num_layers):
             for p in precisions:
                 entry = manifest.fragment(i, p)
-                if p == INT4 and (entry.get("group_size") != group_size or entry.get("method") != METHOD):
+                if p == Precision.INT4 and (entry.get("group_size") != group_size or entry.get("method") != METHOD):
                     return False
                 manifest.verified_path(entry)
         return True
@@ -162,13 +162,13 @@ def write_fragments(manifest: Manifest, model, precisions: list[str], group_size
     """Write one file per layer and precision, then add them to manifest.json (re-read first: others write it)."""
     entries = []
     for i in tqdm(range(manifest.num_layers), desc="quantized fragments", unit="layer"):
-        full = load_file(manifest.verified_path(manifest.fragment(i, FULL)))
+        full = load_file(manifest.verified_path(manifest.fragment(i, Precision.FULL)))
         made = {}
-        if INT4 in precisions:
-            made[INT4] = (int4_fragment(full, pre_quant_scales(model, i), group_size),
+        if Precision.INT4 in precisions:
+            made[Precision.INT4] = (int4_fragment(full, pre_quant_scales(model, i), group_size),
                           {"group_size": group_size, "method": METHOD})
-        if INT8 in precisions:
-            made[INT8] = (int8_fragment(full), {"method": "rtn-per-channel"})
+        if Precision.INT8 in precisions:
+            made[Precision.INT8] = (int8_fragment(full), {"method": "rtn-per-channel"})
         layer = {}
         for p, (tensors, extra) in made.items():
             path = manifest.dir / layer_file(i, p)
@@ -179,7 +179,7 @@ def write_fragments(manifest: Manifest, model, precisions: list[str], group_size
     data = Manifest(manifest.dir).data
     for i, layer in enumerate(entries):
         data["layers"][i]["fragments"].update(layer)
-    data.setdefault("quantization", {})[INT4] = record  # calibration provenance
+    data.setdefault("quantization", {})[Precision.INT4] = record  # calibration provenance
     write_manifest(manifest.dir, data)
     return data
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     frag_dir = _repo_path(args.fragments) if args.fragments else default_fragment_dir()
     manifest = Manifest(frag_dir)
-    precisions = [INT4] + ([] if args.no_int8 else [INT8])
+    precisions = [Precision.INT4] + ([] if args.no_int8 else [Precision.INT8])
     hf_dir = _repo_path(args.hf_export) if args.hf_export else frag_dir.parent / "hf_w4a16_awq"
     export_ok = args.no_hf_export or (hf_dir / "hf_quant_config.json").is_file()
     if not args.force and export_ok and fragments_current(manifest, precisions, args.group_size):

@@ -10,7 +10,8 @@ from engines.build_fragments import build, fragments_ok
 from engines.gguf_import import interleaved_to_half_split
 from engines.hf_import import load_hf
 from trtllm_backend.fragments import FragmentStore, read_safetensors
-from trtllm_backend.manifest import FULL, Manifest
+from trtllm_backend.manifest import Manifest
+from trtllm_backend.precision import Precision
 
 
 def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -38,7 +39,7 @@ def test_hf_checkpoint_imports_to_the_same_fragments(tmp_path):
     }))
     tensors = dict(read_safetensors(src.verified_path(src.data["shared"])))
     for i in range(layers):
-        for name, t in read_safetensors(src.verified_path(src.fragment(i, FULL))).items():
+        for name, t in read_safetensors(src.verified_path(src.fragment(i, Precision.FULL))).items():
             tensors[f"model.layers.{i}.{name}"] = t
     save_file(tensors, hf / "model.safetensors")
     shutil.copy(src.dir / "tokenizer.json", hf / "tokenizer.json")
@@ -48,11 +49,11 @@ def test_hf_checkpoint_imports_to_the_same_fragments(tmp_path):
     m = Manifest(out)
     assert m.num_layers == layers and m.data["source"]["format"] == "hf-safetensors"
     for i in range(layers):
-        a = read_safetensors(m.verified_path(m.fragment(i, FULL)))
-        b = read_safetensors(src.verified_path(src.fragment(i, FULL)))
+        a = read_safetensors(m.verified_path(m.fragment(i, Precision.FULL)))
+        b = read_safetensors(src.verified_path(src.fragment(i, Precision.FULL)))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # A modified file no longer verifies.
-    f = out / m.fragment(1, FULL)["file"]
+    f = out / m.fragment(1, Precision.FULL)["file"]
     data = bytearray(f.read_bytes())
     data[-8] ^= 1
     f.write_bytes(data)
@@ -63,7 +64,7 @@ def test_read_safetensors_matches_the_reference_loader():
     from safetensors.torch import load_file
 
     m = Manifest(fragment_dir())
-    path = m.verified_path(m.fragment(0, FULL))
+    path = m.verified_path(m.fragment(0, Precision.FULL))
     ours, ref = read_safetensors(path), load_file(path)
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
     store = FragmentStore(m, torch.float32)

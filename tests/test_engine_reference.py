@@ -4,7 +4,7 @@ import torch
 from engine_fixtures import make_engine
 
 from engines.gguf_import import embedded_model_path
-from plugins.paged_attention import AttentionPlan, SeqSlice
+from trtllm_backend.attention import AttentionPlan, SeqSlice
 from trtllm_backend.sampling import SamplingParams
 
 

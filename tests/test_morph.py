@@ -11,15 +11,15 @@ import textwrap
 import pytest
 from engine_fixtures import PROMPTS, fragment_dir, make_engine
 
-from trtllm_backend.controller import INT4
 from trtllm_backend.manifest import Manifest
+from trtllm_backend.precision import Precision
 from trtllm_backend.sampling import SamplingParams
 
 
 @pytest.fixture(autouse=True)
 def need_int4():
     m = Manifest(fragment_dir())
-    assert all(INT4 in m.precisions(i) for i in range(m.num_layers)), "INT4 fragments missing: run `make setup`"
+    assert all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers)), "INT4 fragments missing: run `make setup`"
 
 
 def collect(engine, prompts, max_tokens):
@@ -39,23 +39,15 @@ def tokens_and_states(pieces):
     return toks, states
 
 
-def settle(engine, iterations=400):
-    """Run idle iterations until the morph manager has nothing in flight."""
-    m = engine.morph
-    for _ in range(iterations):
-        if not (m.job or m.draining or m.pending_down or m.pending_up):
-            return
-        engine.step()
-        if m.job:
-            m.job.future.result()
+def settle(engine):
+    assert engine.settle_morph(timeout_s=120), "morphing did not settle"
 
 
-def test_forced_swaps_and_restores_mid_generation(monkeypatch):
+def test_forced_swaps_and_restores_mid_generation():
     prompts = PROMPTS[:3]
     baseline = collect(make_engine(morph_policy="full"), prompts, 40)
     # Small base pool so the requests spill into the segments the swaps add (the restore must migrate them).
-    monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:2@4,up:2@20")
-    engine = make_engine(morph_policy="full", block_size=8, max_tokens_in_paged_kv_cache=96)
+    engine = make_engine(morph_policy="full", block_size=8, max_tokens_in_paged_kv_cache=96, force_morph="down:2@4,up:2@20")
     base_blocks = engine.pool.num_blocks
     morphed = collect(engine, prompts, 40)
     settle(engine)
@@ -74,14 +66,15 @@ def test_forced_swaps_and_restores_mid_generation(monkeypatch):
     assert saw_int4
     assert engine.num_quantized_layers() == 0 and engine.pool.num_used == 0
     assert engine.pool.num_blocks == base_blocks
-    assert engine.morph.peak_used <= engine.morph.account.budget
+    assert engine.morph.account.used <= engine.morph.account.budget
+    timed, timings = engine.stats().swaps_timed, engine.stats().swap_timings
+    assert timed == 4 and len(timings) == 4 and all(p > 0 and a >= 0 for p, a in timings)
 
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "float16"])
-def test_capacity_grows_by_exactly_the_freed_blocks(monkeypatch, weight_dtype):
+def test_capacity_grows_by_exactly_the_freed_blocks(weight_dtype):
     # fp16-stored full-precision layers free half as many bytes per swap; the account must follow either way.
-    monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:3@0")
-    engine = make_engine(morph_policy="full", max_tokens_in_paged_kv_cache=512, weight_dtype=weight_dtype)
+    engine = make_engine(morph_policy="full", max_tokens_in_paged_kv_cache=512, weight_dtype=weight_dtype, force_morph="down:3@0")
     m = engine.morph
     base_blocks, r0 = engine.pool.num_blocks, m.account.available
     full = m.full_bytes[0]
@@ -89,10 +82,10 @@ def test_capacity_grows_by_exactly_the_freed_blocks(monkeypatch, weight_dtype):
     engine.step()
     settle(engine)
     assert engine.num_quantized_layers() == 3
-    int4 = sum(s.weights.nbytes for s in engine.model.slots if s.precision == INT4)
+    int4 = sum(s.weights.nbytes for s in engine.model.slots if s.precision == Precision.INT4)
     freed = 3 * full - int4
     assert engine.pool.num_blocks - base_blocks == (freed + r0) // engine.pool.bytes_per_block
-    assert m.account.used <= m.account.budget and m.peak_used <= m.account.budget
+    assert m.account.used <= m.account.budget
     assert m.account.used == m.account.shared + m.account.layers + m.account.kv  # nothing staged, exact
 
 
@@ -101,14 +94,14 @@ def test_corrupt_int4_fragment_at_swap_time_keeps_serving(monkeypatch, tmp_path)
     dst = tmp_path / "fragments"
     dst.mkdir()
     m = Manifest(src)
-    victim = m.fragment(m.swap_order()[0], INT4)["file"]
+    victim = m.fragment(m.swap_order()[0], Precision.INT4)["file"]
     for f in src.iterdir():
         if f.is_file() and f.name != victim:
             os.symlink(f, dst / f.name)
     data = bytearray((src / victim).read_bytes())
     data[100] ^= 0xFF
     (dst / victim).write_bytes(data)
-    monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:1@1")
+    monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:1@1")  # the environment hook, not EngineConfig.force_morph
     from trtllm_backend.config import EngineConfig
     from trtllm_backend.engine import LLMEngine
 
@@ -136,10 +129,9 @@ def test_peak_rss_stays_within_budget_plus_fixed_overhead():
         import json, os, sys
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
         def rss(): return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-        os.environ['MORPHSERVE_FORCE_MORPH'] = 'down:4@2,up:4@30'
         from engine_fixtures import make_engine, PROMPTS
         from trtllm_backend.sampling import SamplingParams
-        e = make_engine(morph_policy='full', max_tokens_in_paged_kv_cache=1024)
+        e = make_engine(morph_policy='full', max_tokens_in_paged_kv_cache=1024, force_morph='down:4@2,up:4@30')
         fixed = rss() - e.morph.account.used
         for p in PROMPTS:
             e.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True), lambda o: None)

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from engines import quantize_awq as qa
 from plugins.quant_matmul import GROUP_SIZE, dequantize_int4, load_quantized_layer, quantized_layer_nbytes
-from trtllm_backend.manifest import FULL, Manifest
+from trtllm_backend.manifest import Manifest
+from trtllm_backend.precision import Precision
 
 torch.manual_seed(0)
 HID, INTER, NH, NKV, HD, EPS = 576, 1536, 9, 3, 64, 1e-5
@@ -117,7 +118,7 @@ def real_set():
 
     out = build_fragments.default_fragment_dir()
     build_fragments.main(["--if-missing"])
-    if not qa.fragments_current(Manifest(out), [qa.INT4, qa.INT8], GROUP_SIZE):  # `make setup` not run
+    if not qa.fragments_current(Manifest(out), [Precision.INT4, Precision.INT8], GROUP_SIZE):  # `make setup` not run
         subprocess.run(["bash", str(qa.REPO_ROOT / "tools" / "setup_calib.sh")], check=True)  # ModelOpt
         importlib.invalidate_caches()
         assert qa.main([]) == 0  # several minutes: ModelOpt calibration on 2 cores
@@ -128,13 +129,13 @@ def real_set():
 def test_manifest_lists_verified_quantized_fragments(real_set):
     m = real_set
     for i in range(m.num_layers):
-        e4, e8 = m.fragment(i, qa.INT4), m.fragment(i, qa.INT8)
+        e4, e8 = m.fragment(i, Precision.INT4), m.fragment(i, Precision.INT8)
         assert e4["group_size"] == GROUP_SIZE and e4["method"] == "awq-modelopt" and e4["format"] == "safetensors"
         assert m.verified_path(e4) and m.verified_path(e8)  # size and sha256
-        assert e4["bytes"] < 0.17 * m.fragment(i, FULL)["bytes"] < e8["bytes"]
-    rec = m.data["quantization"][qa.INT4]
+        assert e4["bytes"] < 0.17 * m.fragment(i, Precision.FULL)["bytes"] < e8["bytes"]
+    rec = m.data["quantization"][Precision.INT4]
     assert rec["samples"] > 0 and rec["seq_len"] > 0 and rec["corpus_range"] == [0.0, 0.8]
-    assert qa.fragments_current(m, [qa.INT4, qa.INT8], GROUP_SIZE)
+    assert qa.fragments_current(m, [Precision.INT4, Precision.INT8], GROUP_SIZE)
 
 
 @pytest.mark.slow
@@ -149,8 +150,8 @@ def test_int4_layers_track_the_full_layers_on_real_hidden_states(real_set):
     h = shared["model.embed_tokens.weight"][ids]
     with torch.no_grad():
         for i in range(m.num_layers):
-            full = dense_layer(load_file(m.verified_path(m.fragment(i, FULL))))
-            layer = load_quantized_layer(load_file(m.verified_path(m.fragment(i, qa.INT4))), m.fragment(i, qa.INT4))
+            full = dense_layer(load_file(m.verified_path(m.fragment(i, Precision.FULL))))
+            layer = load_quantized_layer(load_file(m.verified_path(m.fragment(i, Precision.INT4))), m.fragment(i, Precision.INT4))
             ref, out = layer_forward(full, h), layer_forward(layer, h)
             assert cosine(out, ref) > 0.99, f"layer {i}"
             assert cosine(out - h, ref - h) > 0.98, f"layer {i} (its own contribution)"  # measured >= 0.99
@@ -168,7 +169,7 @@ def test_hf_export_comes_from_the_same_calibration(real_set):
     assert quant["quant_algo"] == "W4A16_AWQ" and quant["group_size"] == GROUP_SIZE
     exported = safe_open(str(hf_dir / "model.safetensors"), "pt")
     for i in (0, real_set.num_layers - 1):
-        frag = load_file(real_set.verified_path(real_set.fragment(i, qa.INT4)))
+        frag = load_file(real_set.verified_path(real_set.fragment(i, Precision.INT4)))
         p = f"model.layers.{i}."
         # ModelOpt's export folds the same mean q|k|v scale into the norm and keeps o_proj's pre-quant scale.
         torch.testing.assert_close(exported.get_tensor(p + "input_layernorm.weight"), frag["input_layernorm.weight"])

@@ -1,6 +1,6 @@
 """Engine benchmark: prefill and decode throughput, the engine's overhead over its matmuls, memory, swaps.
 
-    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python tools/bench_engine.py [--fragment-dir DIR] [--batches 1 8 16 32] \
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python -m tools.bench_engine [--fragment-dir DIR] [--batches 1 8 16 32] \
         [--weight-dtype float16] [--json FILE]
 
 Prints one table. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per token over
@@ -21,13 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engines.build_fragments import default_fragment_dir  # noqa: E402
-from plugins import cpu_kernels, skinny_gemm  # noqa: E402
-from trtllm_backend.config import EngineConfig  # noqa: E402
-from trtllm_backend.engine import LLMEngine  # noqa: E402
-from trtllm_backend.sampling import SamplingParams  # noqa: E402
+from engines.build_fragments import default_fragment_dir
+from plugins import cpu_kernels, skinny_gemm
+from trtllm_backend.config import EngineConfig
+from trtllm_backend.engine import LLMEngine
+from trtllm_backend.sampling import SamplingParams
 
 
 def median_time(fn, reps: int, warmup: int = 2) -> float:
@@ -74,12 +72,11 @@ def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype | None = Non
 def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8) -> float:
     for i in range(batch):
         engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking", SamplingParams(max_tokens=steps + 8, ignore_eos=True), lambda o: None)
-    engine._drain_inbox()
+    engine.step()  # takes the new requests
     while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
         engine.step()
     t = median_time(engine.step, steps, warmup=2)
-    for rid in list(engine.requests):
-        engine._finish(engine.requests[rid], "abort")
+    engine.abort_all()
     return t
 
 
@@ -96,21 +93,19 @@ def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
 
 
 def swap_latencies(frag_dir: str, weight_dtype: str, layers: int = 4) -> list[tuple[float, float]]:
-    os.environ["MORPHSERVE_FORCE_MORPH"] = f"down:{layers}@0,up:{layers}@1"
-    try:
-        engine = LLMEngine(EngineConfig(fragment_dir=frag_dir, morph_policy="full", weight_dtype=weight_dtype))
-    finally:
-        del os.environ["MORPHSERVE_FORCE_MORPH"]
-    if not engine.morph.quantizable:
+    """(prepare_s, apply_s) of `layers` forced swaps down, then as many restores (after one short request
+    moves the engine to iteration 1)."""
+    engine = LLMEngine(EngineConfig(fragment_dir=frag_dir, morph_policy="full", weight_dtype=weight_dtype,
+                                    force_morph=f"down:{layers}@0,up:{layers}@1"))
+    if not engine.settle_morph():
+        raise RuntimeError("forced swaps down did not finish")
+    if engine.stats().int4_layers == 0:  # no INT4 fragments: nothing to time
         return []
-    m = engine.morph
-    for _ in range(1000):
-        engine.step()
-        if m.job:
-            m.job.future.result()
-        if engine.counters.swaps_up == layers:
-            break
-    return m.drain_timings()
+    engine.add_request("The capital of France is", SamplingParams(max_tokens=1), lambda o: None)
+    engine.run_until_idle()
+    if not engine.settle_morph():
+        raise RuntimeError("forced restores did not finish")
+    return list(engine.stats().swap_timings)
 
 
 def peak_rss() -> int:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .controller import parse_forced
+
 
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -30,6 +32,9 @@ class EngineConfig:
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
     memory_budget_bytes: int | None = None  # default: full-precision model + base KV pool + one staging fragment
     morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
+    # Morph actions at given engine iterations, "down:K@ITER,up:K@ITER" (benchmarks, tests): they run whatever
+    # the policy, after any action in flight. Empty: the MORPHSERVE_FORCE_MORPH environment variable (a test hook).
+    force_morph: str = ""
 
     def __post_init__(self):
         for name in ("block_size", "max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache", "max_queue_size"):
@@ -48,6 +53,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.weight_dtype not in ("auto", "float32", "float16"):
             raise ValueError(f"weight_dtype must be auto, float32 or float16, got {self.weight_dtype!r}")
+        parse_forced(self.force_morph, "force_morph")  # a typo fails here, not at the iteration it names
         w, c = self.weight_torch_dtype, self.torch_dtype
         if w != c and not (w == torch.float16 and c == torch.float32):
             raise ValueError(f"weight_dtype={self.weight_dtype} with dtype={self.dtype}: weights are stored in the "
@@ -68,6 +74,12 @@ class EngineConfig:
     @property
     def base_kv_blocks(self) -> int:
         return self.max_tokens_in_paged_kv_cache // self.block_size
+
+    def forced_morph_actions(self) -> dict:
+        """force_morph, or else the MORPHSERVE_FORCE_MORPH test hook, as controller actions by iteration."""
+        if self.force_morph:
+            return parse_forced(self.force_morph, "force_morph")
+        return parse_forced(os.environ.get("MORPHSERVE_FORCE_MORPH", ""))
 
     def threads(self) -> int:
         return self.num_threads or os.cpu_count() or 1

@@ -7,10 +7,20 @@ action) before a restore. Restores undo the most recent swap first.
 from __future__ import annotations
 
 import math
-import os
+import re
 from dataclasses import dataclass, field, fields, replace
 
-INT4 = "int4"
+
+# The morph policy names, shared by the controller and the Triton parameter validation. Besides these, the
+# static form `int4:N` quantizes N layers (swap order) at load and keeps them so.
+POLICY_NAMES = ("accuracy", "balanced", "performance", "full", "int4")
+STATIC_INT4_FORM = re.compile(r"int4:(\d+)")
+
+
+def is_policy_spec(spec: str) -> bool:
+    """Syntax only (a name or int4:N); `parse_policy` also checks N against the model."""
+    spec = spec.strip().lower()
+    return spec in POLICY_NAMES or STATIC_INT4_FORM.fullmatch(spec) is not None
 
 
 @dataclass(slots=True)
@@ -61,7 +71,7 @@ def _modes(num_layers: int) -> dict[str, MorphPolicy]:
 
 
 def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> MorphPolicy:
-    """`accuracy|balanced|performance|full|int4|int4:N` plus optional threshold overrides."""
+    """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides."""
     spec = (spec or "").strip().lower()
     modes = _modes(num_layers)
     if spec in modes:
@@ -77,7 +87,7 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> M
             raise ValueError(f"morph_policy: int4:N needs an integer N, got {spec!r}") from None
         policy = MorphPolicy(spec, dynamic=False, static_int4_layers=n, max_int4_layers=max(0, min(n, num_layers)))
     else:
-        raise ValueError(f"morph_policy: unknown policy {spec!r} (accuracy, balanced, performance, full, int4, int4:N)")
+        raise ValueError(f"morph_policy: unknown policy {spec!r} ({', '.join(POLICY_NAMES)}, int4:N)")
     if overrides:
         known = {f.name: f.type for f in fields(MorphPolicy)}
         for key, value in overrides.items():
@@ -94,6 +104,9 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> M
 
 @dataclass(slots=True)
 class Signals:
+    """What the controller decides on, built by the engine once per iteration (load from the scheduler and the
+    KV pool, morph state from the morph manager)."""
+
     now: float
     waiting: int
     head_wait_s: float
@@ -104,8 +117,6 @@ class Signals:
     blocks_per_layer: int  # KV blocks one swapped layer buys
     int4_layers: int
     usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
-    recent_ttft_s: float = 0.0
-    recent_tpot_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -121,10 +132,10 @@ class Controller:
     pressure_streak: int = 0
     last_pressure: float = field(default=-math.inf)
     last_action: float = field(default=-math.inf)
-    forced: dict[int, Action] = field(default_factory=dict)
+    forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (parse_forced)
 
-    def __post_init__(self):
-        self.forced = parse_forced(os.environ.get("MORPHSERVE_FORCE_MORPH", ""))
+    def forced_due(self, iteration: int) -> bool:
+        return any(i <= iteration for i in self.forced)
 
     def decide(self, s: Signals, iteration: int) -> Action | None:
         due = [i for i in self.forced if i <= iteration]  # a forced action waits out an action in flight
@@ -167,8 +178,9 @@ class Controller:
         return None
 
 
-def parse_forced(spec: str) -> dict[int, Action]:
-    """MORPHSERVE_FORCE_MORPH="down:2@5,up:2@40": forced actions at given engine iterations (tests)."""
+def parse_forced(spec: str, source: str = "MORPHSERVE_FORCE_MORPH") -> dict[int, Action]:
+    """"down:2@5,up:2@40": forced actions at given engine iterations (EngineConfig.force_morph, or the
+    MORPHSERVE_FORCE_MORPH test hook); `source` names the setting in errors and log reasons."""
     out: dict[int, Action] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         try:
@@ -176,7 +188,7 @@ def parse_forced(spec: str) -> dict[int, Action]:
             kind, _, n = what.partition(":")
             if kind not in ("down", "up"):
                 raise ValueError
-            out[int(at)] = Action(kind, int(n or 1), f"forced by MORPHSERVE_FORCE_MORPH at iteration {at}")
+            out[int(at)] = Action(kind, int(n or 1), f"forced by {source} at iteration {at}")
         except ValueError:
-            raise ValueError(f"MORPHSERVE_FORCE_MORPH: cannot parse {part!r} (expected down:K@ITER or up:K@ITER)") from None
+            raise ValueError(f"{source}: cannot parse {part!r} (expected down:K@ITER or up:K@ITER)") from None
     return out

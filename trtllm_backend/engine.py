@@ -9,20 +9,18 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
 
-from plugins.paged_attention import AttentionPlan, SeqSlice
-
+from .attention import AttentionPlan, SeqSlice
 from .config import EngineConfig
-from .controller import parse_policy
+from .controller import Signals, parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
 from .kv_cache import KVPool
-from .manifest import FULL, Manifest
+from .manifest import Manifest
 from .model import LlamaModel
 from .morph import MorphManager
 from .native_memory import pin_mmap_threshold
@@ -51,12 +49,11 @@ class LLMEngine:
         self.pool = KVPool(mc, config.block_size, config.torch_dtype, config.device)
         self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
-        self.last_schedule = None
-        self._ttfts: deque[float] = deque(maxlen=32)  # recent time-to-first-token, for the controller
+        self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
+        self._seen_preemptions = 0
         self.streams: dict[str, OutputStream] = {}
         self.requests: dict[str, Request] = {}
         self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
-        self.iteration_hooks: list[Callable[[LLMEngine], None]] = []  # run between iterations (morphing)
         self.counters = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -68,8 +65,8 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
         policy = parse_policy(config.morph_policy, mc.num_layers, config.morph_overrides)
-        self.morph = MorphManager(self, policy, config.memory_budget_bytes)
-        self.iteration_hooks.append(self.morph.on_iteration)
+        self.morph = MorphManager(policy, self.manifest, self.store, self.model.slots, self.pool, self.model.shared_nbytes,
+                                  self.counters, config.memory_budget_bytes, config.forced_morph_actions())
         self._publish_stats()
 
     # ---- public API (any thread) -----------------------------------------------------------------
@@ -92,14 +89,19 @@ class LLMEngine:
         self._wake.set()
         return True
 
-    def stats(self) -> EngineStats:
-        """The latest snapshot; swap timings are handed out once (drained by this call)."""
-        snap = replace(self._stats)
-        snap.swap_timings = self.morph.drain_timings()
-        return snap
+    def abort_all(self) -> None:
+        """Abort every request added so far (each gets its final "abort" output). With the engine thread running
+        this happens before its next iteration; without it, now, on the calling thread."""
+        self._inbox.put(("abort_all", None, None))
+        self._wake.set()
+        if self._thread is None:
+            self._drain_inbox()
 
-    def recent_ttft(self) -> float:
-        return sorted(self._ttfts)[len(self._ttfts) // 2] if self._ttfts else 0.0
+    def stats(self) -> EngineStats:
+        """The latest snapshot, with the recent swap timings; reading it changes nothing."""
+        snap = replace(self._stats)
+        snap.swaps_timed, snap.swap_timings = self.morph.swap_log.snapshot()
+        return snap
 
     def start(self) -> None:
         if self._thread is None:
@@ -118,8 +120,7 @@ class LLMEngine:
             self._thread.join()
             self._thread = None
         self._drain_inbox()
-        for rid in list(self.requests):
-            self._finish(self.requests[rid], "abort")
+        self._abort_all_now()
         self.morph.shutdown()
 
     def generate(self, prompt: str, params: SamplingParams) -> Iterator[RequestOutput]:
@@ -143,6 +144,20 @@ class LLMEngine:
             if not self.scheduler.has_work():
                 return
             self.step()
+
+    def settle_morph(self, timeout_s: float = 60.0) -> bool:
+        """Run iterations on the calling thread until no morph action is in flight, queued, or forced for the
+        current iteration (requests present are served meanwhile). False if still busy after `timeout_s`."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is running; settle_morph drives iterations itself")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.step()
+            if not self.morph.busy(self.counters.iterations):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            self.morph.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
     # ---- validation (caller thread, before any memory is taken) ----------------------------------
     def _validate(self, prompt: str, params: SamplingParams) -> list[int]:
@@ -177,8 +192,7 @@ class LLMEngine:
                 self._publish_stats()
                 self._wake.wait(0.05)
                 self._wake.clear()
-                for hook in self.iteration_hooks:  # idle iterations still let the controller restore layers
-                    hook(self)
+                self._morph_tick()  # idle iterations still let the controller restore layers
                 continue
             self.step()
 
@@ -194,14 +208,46 @@ class LLMEngine:
                 self.scheduler.add(item)
             elif kind == "abort" and item in self.requests:
                 self._finish(self.requests[item], "abort")
+            elif kind == "abort_all":
+                self._abort_all_now()
+
+    def _abort_all_now(self) -> None:
+        for rid in list(self.requests):
+            self._finish(self.requests[rid], "abort")
+
+    def _morph_tick(self) -> None:
+        """The iteration's Signals, handed to the morph manager with the running requests' block tables."""
+        s, p, m = self.scheduler, self.pool, self.morph
+        now = time.monotonic()
+        head = s.waiting[0] if s.waiting else None
+        short = 0
+        if head is not None:
+            need = -(-(head.num_tokens - head.num_computed) // p.block_size)
+            short = max(0, need - p.num_allocatable)
+        preemptions, self._seen_preemptions = s.num_preemptions - self._seen_preemptions, s.num_preemptions
+        signals = Signals(
+            now=now,
+            waiting=len(s.waiting),
+            head_wait_s=now - head.timings.arrival if head else 0.0,
+            kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
+            admission_blocked=self._admission_blocked,
+            new_preemptions=preemptions,
+            head_blocks_short=short,
+            blocks_per_layer=m.blocks_per_layer,
+            int4_layers=m.int4_layers,
+            usage_after_shrink=m.usage_after_shrink(),
+        )
+        m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
 
     @torch.inference_mode()
     def step(self) -> None:
-        for hook in self.iteration_hooks:
-            hook(self)
+        """One iteration on the calling thread: take the requests added since the last one, advance morphing,
+        schedule, run the model, sample and emit."""
+        self._drain_inbox()
+        self._morph_tick()
         sched = self.scheduler.schedule()
         self.counters.preemptions = self.scheduler.num_preemptions
-        self.last_schedule = sched
+        self._admission_blocked = sched.admission_blocked
         if not sched.scheduled:
             self._publish_stats()
             return
@@ -234,7 +280,6 @@ class LLMEngine:
                 self.counters.generation_tokens += 1
                 if req.timings.first_token is None:
                     req.timings.first_token = now
-                    self._ttfts.append(now - req.timings.arrival)
                 reason = self.streams[req.request_id].add_token(tok, int4)
                 if reason:
                     self._finish(req, reason)
@@ -257,7 +302,7 @@ class LLMEngine:
         stream.finish(reason)
 
     def num_quantized_layers(self) -> int:
-        return sum(1 for s in self.model.slots if s.precision != FULL)
+        return self.morph.int4_layers
 
     def _publish_stats(self) -> None:
         """Snapshot for other threads (replaced whole, never mutated after publication)."""

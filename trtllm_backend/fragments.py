@@ -7,7 +7,8 @@ import struct
 from pathlib import Path
 
 from .layers import LayerWeights, dense_layer
-from .manifest import FULL, Manifest
+from .manifest import Manifest
+from .precision import Precision
 
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
@@ -52,15 +53,13 @@ class FragmentStore:
     def load_shared(self) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dtype if v.dim() == 1 else self.weight_dtype) for k, v in self._read(self.manifest.data["shared"]).items()}
 
-    def load_layer(self, index: int, precision: str = FULL) -> LayerWeights:
+    def load_layer(self, index: int, precision: str = Precision.FULL) -> LayerWeights:
         entry = self.manifest.fragment(index, precision)
         tensors = self._read(entry)
-        if precision == FULL:
+        if precision == Precision.FULL:
             return dense_layer(tensors, self.dtype, self.weight_dtype)
         from plugins.quant_matmul import load_quantized_layer  # quantized kernels load only when used
 
         parts = load_quantized_layer(tensors, entry)
         return LayerWeights(**{k: parts[k] for k in LayerWeights.__slots__})
 
-    def available(self, index: int) -> list[str]:
-        return self.manifest.precisions(index)

@@ -3,7 +3,8 @@
 A block holds K and V of `block_size` tokens for *all* layers, so bytes freed anywhere become blocks every
 layer can use. Inside a segment the memory is layer-major ([layer, k|v, slot, kv_head, head_dim]) so one
 layer's keys are a single index_select away; the block is still the unit of allocation and accounting.
-Block ids are global and stable: segment s owns ids [base, base + num_blocks).
+Block ids are global and stable: segment s owns ids [base, base + num_blocks); slot ids (block * block_size +
+offset) are global too, and the pool maps them to (segment, local slot) for the attention plan.
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class KVSegment:
 
     def owns(self, block: int) -> bool:
         return self.base <= block < self.base + self.num_blocks
+
+
+# One piece of a slot access: (segment tensor, rows of the output/input it serves or None for all, local slots).
+SlotPiece = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
 
 
 class KVPool:
@@ -76,6 +81,32 @@ class KVPool:
                 return seg
         raise KeyError(f"block {block} belongs to no segment")
 
+    # ---- slots -> segments ----------------------------------------------------------------------------
+    def split_slots(self, slots: torch.Tensor) -> list[SlotPiece]:
+        """Global slot ids -> (segment tensor, rows, local slots), grouped by segment; rows is None when one
+        segment serves them all (the common case: no index_copy needed)."""
+        bs = self.block_size
+        segs = self.segments
+        if len(segs) == 1:
+            return [(segs[0].kv, None, slots - segs[0].base * bs)]
+        bounds = torch.tensor([s.base * bs for s in segs[1:]], dtype=slots.dtype)
+        which = torch.bucketize(slots, bounds, right=True)
+        pieces = []
+        for i, seg in enumerate(segs):
+            rows = (which == i).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            if rows.numel() == slots.numel():
+                return [(seg.kv, None, slots - seg.base * bs)]
+            pieces.append((seg.kv, rows, slots[rows] - seg.base * bs))
+        return pieces
+
+    def locate_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global slot ids -> (index into `segments`, slot within that segment), same shape."""
+        starts = torch.tensor([s.base * self.block_size for s in self.segments], dtype=torch.long)
+        which = torch.bucketize(slots, starts[1:], right=True)
+        return which, slots - starts[which]
+
     # ---- blocks -------------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
@@ -113,6 +144,25 @@ class KVPool:
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
             self.segment_of(b).free.append(b)
+
+    def evacuate(self, seg: KVSegment, block_tables: list[list[int]]) -> bool:
+        """Move the live blocks of `seg` that `block_tables` hold into free blocks of segments that are not
+        draining, rewriting those tables in place; marks `seg` draining so nothing new lands in it. True once
+        every block of `seg` is free (it can be released); False if there was no room for all of them yet
+        (what moved stays moved: call again later)."""
+        seg.draining = True
+        for table in block_tables:
+            for i, b in enumerate(table):
+                if not seg.owns(b):
+                    continue
+                dst = next((s for s in self.segments if s.free and not s.draining), None)
+                if dst is None:
+                    return False
+                new = dst.free.pop()
+                self.copy_block(b, new)
+                seg.free.append(b)
+                table[i] = new
+        return len(seg.free) == seg.num_blocks
 
     def copy_block(self, src: int, dst: int) -> None:
         """Move the K/V of one block (all layers) to another block, possibly in another segment."""

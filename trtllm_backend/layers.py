@@ -12,9 +12,11 @@ import torch
 
 from plugins import skinny_gemm
 from plugins.elementwise import add_rms_norm, rms_norm, silu_mul
-from plugins.paged_attention import AttentionPlan, decode_attention_qkv, paged_attention
+from plugins.paged_attention import decode_attention_qkv, paged_attention
 
-from .manifest import FULL, ModelConfig
+from .attention import AttentionPlan
+from .manifest import ModelConfig
+from .precision import Precision
 
 
 class DenseLinear:
@@ -70,7 +72,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LayerSlot:
     """One decoder layer position; `weights` is the fragment it is bound to now."""
 
-    def __init__(self, index: int, config: ModelConfig, weights: LayerWeights, precision: str = FULL):
+    def __init__(self, index: int, config: ModelConfig, weights: LayerWeights, precision: str = Precision.FULL):
         self.index = index
         self.config = config
         self.weights = weights
@@ -100,4 +102,4 @@ class LayerSlot:
         qk = apply_rope(qkv[:, : q_dim + kv_dim].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, q_dim + kv_dim :].view(T, c.num_kv_heads, c.head_dim)
-        return paged_attention(q, k.to(plan.pool.dtype), v.to(plan.pool.dtype), self.index, plan).reshape(T, q_dim)
+        return paged_attention(q, k.to(plan.kv_dtype), v.to(plan.kv_dtype), self.index, plan).reshape(T, q_dim)

@@ -10,7 +10,6 @@ from .errors import FragmentError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-FULL = "full"
 
 
 @dataclass(slots=True, frozen=True)

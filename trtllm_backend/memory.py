@@ -7,7 +7,7 @@ full-precision one is still bound (without it the first swap could not start und
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -28,9 +28,6 @@ class MemoryAccount:
         """Bytes that can become KV blocks now (the staging reserve excluded)."""
         return self.budget - self.reserve - self.used
 
-    def fits(self, extra: int, use_reserve: bool = True) -> bool:
-        limit = self.budget if use_reserve else self.budget - self.reserve
-        return self.used + extra <= limit
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "used": self.used}
+    def fits(self, extra: int) -> bool:
+        """Whether `extra` bytes (a fragment to stage) fit the budget, the staging reserve included."""
+        return self.used + extra <= self.budget

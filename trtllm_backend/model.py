@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from plugins import skinny_gemm
 from plugins.elementwise import rms_norm
-from plugins.paged_attention import AttentionPlan
 
+from .attention import AttentionPlan
 from .fragments import FragmentStore
 from .layers import LayerSlot
 from .manifest import ModelConfig
@@ -16,7 +16,6 @@ from .manifest import ModelConfig
 class LlamaModel:
     def __init__(self, store: FragmentStore, max_positions: int):
         self.config: ModelConfig = store.manifest.config
-        self.store = store
         shared = store.load_shared()
         self.embed = shared["model.embed_tokens.weight"]
         self.norm = shared["model.norm.weight"]

@@ -1,33 +1,38 @@
 """Runtime morphing: quantized layer swapping plus pressure-aware KV cache resizing.
 
-Runs as an engine iteration hook, so every state change happens between two iterations on the engine
-thread. Reading and preparing a fragment happens on a background thread while the engine keeps stepping;
-only the rebinding (and the KV segment change it pays for) happens on the engine thread.
+The morph manager is built from what it acts on (the layer slots, the KV pool, the fragment store and
+manifest, the engine's counters) and owns its memory account. The engine calls `on_iteration` once per
+iteration, between two iterations on the engine thread, with that iteration's `Signals` and the block tables
+of the running requests; every state change happens inside that call. Reading and preparing a fragment
+happens on a background thread while the engine keeps stepping; only the rebinding (and the KV segment
+change it pays for) happens on the engine thread.
 
 Swap down, one layer at a time: stage the INT4 fragment (in the reserve) -> rebind the slot -> drop the
 full fragment -> the freed bytes become a new KV segment of whole blocks.
-Restore, most recent swap first: stop allocating from that layer's segment, migrate its live blocks into
-free blocks elsewhere, release it -> stage the full fragment in the released bytes -> rebind.
+Restore, most recent swap first: stop allocating from that layer's segment, move its live blocks into free
+blocks elsewhere (over as many iterations as it takes), release it -> stage the full fragment in the released
+bytes -> rebind. If the full fragment still does not fit, the newest other added segment is drained and
+released the same way, one at a time; with none left the restore is given up.
 """
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .controller import INT4, Action, Controller, MorphPolicy, Signals
+from .controller import Action, Controller, MorphPolicy, Signals
 from .errors import FragmentError
-from .kv_cache import KVSegment
-from .manifest import FULL
+from .fragments import FragmentStore
+from .kv_cache import KVPool, KVSegment
+from .layers import LayerSlot
+from .manifest import Manifest
 from .memory import MemoryAccount
-
-if TYPE_CHECKING:
-    from .engine import LLMEngine
+from .outputs import EngineStats
+from .precision import Precision
 
 log = logging.getLogger("morphserve.morph")
 
@@ -44,33 +49,60 @@ class _Job:
 @dataclass(slots=True)
 class _Swapped:
     layer: int
-    segment: KVSegment | None  # the KV blocks this swap paid for
+    segment: KVSegment | None  # the KV blocks this swap paid for (None once released)
+
+
+class SwapLog:
+    """(prepare_s, apply_s) of every finished swap. Appended on the engine thread; read from any thread with
+    no side effect: `total` counts every swap ever timed, the snapshot holds the most recent `keep`."""
+
+    def __init__(self, keep: int = 256):
+        self._recent: deque[tuple[float, float]] = deque(maxlen=keep)
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def record(self, prepare_s: float, apply_s: float) -> None:
+        with self._lock:
+            self._recent.append((prepare_s, apply_s))
+            self.total += 1
+
+    def snapshot(self) -> tuple[int, tuple[tuple[float, float], ...]]:
+        """(total, the most recent timings oldest first); the last entry is swap number `total`."""
+        with self._lock:
+            return self.total, tuple(self._recent)
 
 
 @dataclass
 class MorphManager:
-    engine: "LLMEngine"
     policy: MorphPolicy
+    manifest: Manifest
+    store: FragmentStore
+    slots: list[LayerSlot]
+    pool: KVPool
+    shared_nbytes: int  # embedding, final norm, LM head: resident, never swapped
+    counters: EngineStats  # the engine's live counters: swaps, KV grows and shrinks, failures
     budget_bytes: int | None = None
+    forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (controller.parse_forced)
     swapped: list[_Swapped] = field(default_factory=list)  # a stack: restores pop from the end
     failed: set[int] = field(default_factory=set)
     pending_down: int = 0
     pending_up: int = 0
     job: _Job | None = None
-    draining: _Swapped | None = None
-    peak_used: int = 0
-    timings: deque = field(default_factory=deque)  # (prepare_s, apply_s) not yet reported
+    draining: KVSegment | None = None  # being emptied for a restore
 
     def __post_init__(self):
-        e = self.engine
-        m = e.manifest
-        self.controller = Controller(self.policy)
+        m = self.manifest
+        self.controller = Controller(self.policy, forced=dict(self.forced))
+        self.swap_log = SwapLog()
         self.order = m.swap_order()
-        self.quantizable = all(INT4 in m.precisions(i) for i in range(m.num_layers))
-        self.reserve = max((m.fragment(i, INT4)["bytes"] for i in range(m.num_layers)), default=0) if self.quantizable else 0
+        self.quantizable = all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers))
+        int4_bytes = [m.fragment(i, Precision.INT4)["bytes"] for i in range(m.num_layers)] if self.quantizable else []
+        self.reserve = max(int4_bytes, default=0)
         # Resident bytes of each full-precision layer, known exactly before anything is swapped.
-        self.full_bytes = [slot.weights.nbytes for slot in e.model.slots]
-        self.account = MemoryAccount(budget=0, reserve=self.reserve)
+        self.full_bytes = [slot.weights.nbytes for slot in self.slots]
+        # KV blocks one swapped layer buys (what the controller sizes a swap with).
+        self.blocks_per_layer = max(0, (self.full_bytes[0] - (int4_bytes[0] if int4_bytes else 0)) // self.pool.bytes_per_block)
+        self.account = MemoryAccount(budget=0, reserve=self.reserve, shared=self.shared_nbytes)
         self._refresh()
         default_budget = self.account.used + self.reserve
         self.account.budget = self.budget_bytes or default_budget
@@ -80,61 +112,80 @@ class MorphManager:
                 f"plus one staging fragment ({default_budget} bytes)"
             )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
-        self._seen_preemptions = 0
-        self._lock = threading.Lock()
+        self._unseen_preemptions = 0
         if (self.policy.dynamic or self.policy.static_int4_layers) and not self.quantizable:
             if self.policy.static_int4_layers:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
             log.warning("no INT4 fragments in %s: morphing is off, serving at full precision", m.dir)
         # A budget above the default is KV memory from the start.
-        self._grow_kv(force_segment=False)
+        self._grow_kv()
         for _ in range(self.policy.static_int4_layers):
             self._swap_down_now()
 
-    # ---- accounting -----------------------------------------------------------------------------
-    def _refresh(self) -> None:
-        e, a = self.engine, self.account
-        a.shared = e.model.shared_nbytes
-        a.layers = sum(s.weights.nbytes for s in e.model.slots)
-        a.kv = e.pool.nbytes
-        a.staged = self.job.staged_bytes if self.job else 0
-        self.peak_used = max(self.peak_used, a.used)
-        if a.budget and a.used > a.budget:  # never expected: every allocation is checked first
-            raise AssertionError(f"memory account {a.used} exceeds the budget {a.budget}")
-
-    def _grow_kv(self, force_segment: bool = True) -> KVSegment | None:
-        n = self.engine.pool.blocks_for_bytes(self.account.available)
-        if n <= 0:
-            return None
-        seg = self.engine.pool.add_segment(n)
-        self.engine.counters.kv_grows += 1
-        self._refresh()
-        return seg
-
+    # ---- state the engine reads (engine thread) --------------------------------------------------------
     @property
     def int4_layers(self) -> int:
         return len(self.swapped)
 
-    def blocks_per_layer(self) -> int:
-        m = self.engine.manifest
-        freed = self.full_bytes[0] - (m.fragment(0, INT4)["bytes"] if self.quantizable else 0)
-        return max(0, freed // self.engine.pool.bytes_per_block)
+    def usage_after_shrink(self) -> float:
+        """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink)."""
+        p = self.pool
+        top = self.swapped[-1].segment if self.swapped else None
+        remaining = p.num_blocks - (top.num_blocks if top else 0)
+        return p.num_used / remaining if self.swapped and remaining > 0 else 1.0
 
-    # ---- the iteration hook (engine thread) -----------------------------------------------------
-    def on_iteration(self, engine: "LLMEngine") -> None:
+    def busy(self, iteration: int) -> bool:
+        """An action is in flight, queued, or forced at or before `iteration`."""
+        return bool(self.job or self.draining or self.pending_down or self.pending_up
+                    or (self.quantizable and self.controller.forced_due(iteration)))
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the fragment being prepared in the background (if any) is ready, or the timeout."""
+        if self.job is not None:
+            wait_futures([self.job.future], timeout=timeout_s)
+
+    # ---- accounting -----------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        a = self.account
+        a.layers = sum(s.weights.nbytes for s in self.slots)
+        a.kv = self.pool.nbytes
+        a.staged = self.job.staged_bytes if self.job else 0
+        if a.budget and a.used > a.budget:  # never expected: every allocation is checked first
+            raise AssertionError(f"memory account {a.used} exceeds the budget {a.budget}")
+
+    def _grow_kv(self) -> KVSegment | None:
+        n = self.pool.blocks_for_bytes(self.account.available)
+        if n <= 0:
+            return None
+        seg = self.pool.add_segment(n)
+        self.counters.kv_grows += 1
+        self._refresh()
+        return seg
+
+    # ---- the per-iteration call (engine thread) -------------------------------------------------
+    def on_iteration(self, signals: Signals, iteration: int, block_tables: list[list[int]]) -> None:
+        """Advance morphing by one iteration. `signals` were taken before this call and `block_tables` are the
+        running requests' tables (rewritten in place when their blocks move out of a draining segment)."""
+        self._unseen_preemptions += signals.new_preemptions  # kept for the next decision if none is made now
+        changed = False
         if self.job and self.job.future.done():
             self._finish_job()
+            changed = True
         if self.draining is not None:
-            self._continue_drain()
-        if self.job is None and self.draining is None and not (self.pending_down or self.pending_up) and self.quantizable:
-            action = self.controller.decide(self._signals(), engine.counters.iterations)
+            changed |= self._continue_drain(block_tables)
+        # NOTE: the signals describe the state before this call; after a swap or a release in this call the
+        # decision waits for the next iteration's signals.
+        idle = self.job is None and self.draining is None and not (self.pending_down or self.pending_up)
+        if idle and not changed and self.quantizable:
+            signals.new_preemptions, self._unseen_preemptions = self._unseen_preemptions, 0
+            action = self.controller.decide(signals, iteration)
             if action:
                 self._accept(action)
         if self.job is None and self.draining is None:
             if self.pending_down:
                 self._start_down()
             elif self.pending_up:
-                self._start_up()
+                self._start_up(block_tables)
         self._refresh()
 
     def _accept(self, action: Action) -> None:
@@ -149,34 +200,6 @@ class MorphManager:
                 self.pending_up = k
                 log.info("morph: restore %d layer(s) to full precision (%d INT4 now) - %s", k, self.int4_layers, action.reason)
 
-    def _signals(self) -> Signals:
-        e = self.engine
-        s, p = e.scheduler, e.pool
-        now = time.monotonic()
-        head = s.waiting[0] if s.waiting else None
-        short = 0
-        if head is not None:
-            need = -(-(head.num_tokens - head.num_computed) // p.block_size)
-            short = max(0, need - p.num_allocatable)
-        top = self.swapped[-1].segment if self.swapped else None
-        remaining = p.num_blocks - (top.num_blocks if top else 0)
-        preempt = s.num_preemptions - self._seen_preemptions
-        self._seen_preemptions = s.num_preemptions
-        sched = getattr(e, "last_schedule", None)
-        return Signals(
-            now=now,
-            waiting=len(s.waiting),
-            head_wait_s=now - head.timings.arrival if head else 0.0,
-            kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
-            admission_blocked=bool(sched and sched.admission_blocked),
-            new_preemptions=preempt,
-            head_blocks_short=short,
-            blocks_per_layer=self.blocks_per_layer(),
-            int4_layers=self.int4_layers,
-            usage_after_shrink=(p.num_used / remaining) if self.swapped and remaining > 0 else 1.0,
-            recent_ttft_s=e.recent_ttft(),
-        )
-
     def _candidates(self) -> list[int]:
         done = {s.layer for s in self.swapped}
         return [i for i in self.order if i not in done and i not in self.failed]
@@ -188,12 +211,15 @@ class MorphManager:
             self.pending_down = 0
             return
         layer = candidates[0]
-        staged = self.engine.manifest.fragment(layer, INT4)["bytes"]
+        staged = self.manifest.fragment(layer, Precision.INT4)["bytes"]
         if not self.account.fits(staged):
             log.warning("morph: no room to stage layer %d (%d bytes); waiting", layer, staged)
             return
-        fut = self.executor.submit(self.engine.store.load_layer, layer, INT4)
-        self.job = _Job("down", layer, fut, staged, time.monotonic())
+        self._submit("down", layer, Precision.INT4, staged)
+
+    def _submit(self, kind: str, layer: int, precision: Precision, staged: int) -> None:
+        fut = self.executor.submit(self.store.load_layer, layer, precision)
+        self.job = _Job(kind, layer, fut, staged, time.monotonic())
         self._refresh()
 
     def _swap_down_now(self) -> None:
@@ -210,7 +236,7 @@ class MorphManager:
         try:
             weights = job.future.result()
         except (FragmentError, OSError, ValueError, KeyError) as err:
-            self.engine.counters.swap_failures += 1
+            self.counters.swap_failures += 1
             log.error("morph: cannot load layer %d for %s: %s; the layer stays where it is", job.layer, job.kind, err)
             if job.kind == "down":
                 self.failed.add(job.layer)
@@ -220,81 +246,72 @@ class MorphManager:
             self._refresh()
             return
         t0 = time.monotonic()
-        slot = self.engine.model.slots[job.layer]
+        slot = self.slots[job.layer]
         if job.kind == "down":
-            old = slot.bind(weights, INT4)
+            old = slot.bind(weights, Precision.INT4)
             del old, weights  # the full fragment's memory goes back now
             self._refresh()
             seg = self._grow_kv()
             self.swapped.append(_Swapped(job.layer, seg))
-            self.engine.counters.swaps_down += 1
+            self.counters.swaps_down += 1
             self.pending_down -= 1
         else:
-            old = slot.bind(weights, FULL)
+            old = slot.bind(weights, Precision.FULL)
             del old, weights
             self.swapped.pop()
-            self.engine.counters.swaps_up += 1
+            self.counters.swaps_up += 1
             self.pending_up -= 1
             self._refresh()
             self._grow_kv()  # the INT4 fragment's bytes are free again: keep the reserve, use the rest
         apply = time.monotonic() - t0
-        with self._lock:
-            self.timings.append((prepare, apply))
+        self.swap_log.record(prepare, apply)
         log.info("morph: layer %d -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers)",
-                 job.layer, INT4 if job.kind == "down" else FULL, prepare * 1e3, apply * 1e3, self.engine.pool.num_blocks, self.int4_layers)
+                 job.layer, slot.precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers)
 
     # ---- restore -----------------------------------------------------------------------------------
-    def _start_up(self) -> None:
+    def _start_up(self, block_tables: list[list[int]]) -> None:
         if not self.swapped:
             self.pending_up = 0
             return
         top = self.swapped[-1]
         if top.segment is not None:
-            top.segment.draining = True
-            self.draining = top
-            self._continue_drain()
+            self.draining = top.segment
+            self._continue_drain(block_tables)
         else:
-            self._stage_full(top.layer)
+            self._stage_full(block_tables)
 
-    def _continue_drain(self) -> None:
-        top = self.draining
-        seg = top.segment
-        pool = self.engine.pool
-        for req in self.engine.scheduler.running:
-            table = req.block_table
-            for i, b in enumerate(table):
-                if seg.owns(b):
-                    dst = pool.allocate(1)
-                    if dst is None:
-                        return  # no room elsewhere yet: keep draining next iteration
-                    pool.copy_block(b, dst[0])
-                    pool.free([b])
-                    table[i] = dst[0]
-        if len(seg.free) != seg.num_blocks:
-            return
-        pool.release_segment(seg)
-        top.segment = None
-        self.engine.counters.kv_shrinks += 1
+    def _continue_drain(self, block_tables: list[list[int]]) -> bool:
+        """Move what can move out of the draining segment; once it is empty, release it and go on with the
+        restore. True if the segment was released."""
+        seg = self.draining
+        if not self.pool.evacuate(seg, block_tables):
+            return False  # no room elsewhere yet: the next iteration tries again
+        self.pool.release_segment(seg)
+        for s in self.swapped:
+            if s.segment is seg:
+                s.segment = None
+        self.counters.kv_shrinks += 1
         self.draining = None
         self._refresh()
-        self._stage_full(top.layer)
+        self._stage_full(block_tables)
+        return True
 
-    def _stage_full(self, layer: int) -> None:
+    def _stage_full(self, block_tables: list[list[int]]) -> None:
+        layer = self.swapped[-1].layer
         staged = self.full_bytes[layer]
-        if not self.account.fits(staged):
-            # Release more KV room: the next-most-recent segments are drained in later iterations.
-            log.warning("morph: no room to stage full layer %d yet", layer)
+        if self.account.fits(staged):
+            self._submit("up", layer, Precision.FULL, staged)
             return
-        fut = self.executor.submit(self.engine.store.load_layer, layer, FULL)
-        self.job = _Job("up", layer, fut, staged, time.monotonic())
-        self._refresh()
-
-    # ---- reporting ---------------------------------------------------------------------------------
-    def drain_timings(self) -> list[tuple[float, float]]:
-        with self._lock:
-            out = list(self.timings)
-            self.timings.clear()
-        return out
+        # Bounded: each pass releases one more added segment; the base pool (the first) is never drained.
+        extra = next((s for s in reversed(self.pool.segments[1:]) if not s.draining), None)
+        if extra is None:
+            log.error("morph: no room to stage full layer %d (%d bytes) with every added KV segment released; "
+                      "the restore is given up", layer, staged)
+            self.pending_up = 0
+            return
+        log.warning("morph: no room to stage full layer %d yet; draining the KV segment at block %d too", layer, extra.base)
+        self.draining = extra
+        self._continue_drain(block_tables)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,7 +1,7 @@
 """Small dataclasses the engine hands to its callers (the Triton glue, the CLI, benchmarks)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -50,4 +50,13 @@ class EngineStats:
     swap_failures: int = 0
     memory_budget_bytes: int = 0
     memory_used_bytes: int = 0
-    swap_timings: list[tuple[float, float]] = field(default_factory=list)  # (prepare_s, apply_s) since last call
+    # (prepare_s, apply_s) of the most recent swaps, oldest first (at most 256); the last one is swap number
+    # `swaps_timed`, the count of every swap timed since start. Readers keep the count they saw: timings_since.
+    swap_timings: tuple[tuple[float, float], ...] = ()
+    swaps_timed: int = 0
+
+    def timings_since(self, seen: int) -> list[tuple[float, float]]:
+        """The timings of swaps numbered after `seen` (a reader's previous `swaps_timed`) that this snapshot
+        still holds; more than 256 swaps between two reads lose the oldest."""
+        n = min(self.swaps_timed - seen, len(self.swap_timings))
+        return list(self.swap_timings[len(self.swap_timings) - n :]) if n > 0 else []

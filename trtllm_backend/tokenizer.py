@@ -12,7 +12,6 @@ class Tokenizer:
     def __init__(self, manifest: Manifest):
         meta = manifest.data["tokenizer"]
         self._tok = HFTokenizer.from_file(str(manifest.side_file(meta["file"])))
-        self.chat_template = meta.get("chat_template")
         eos = {manifest.config.eos_token_id}
         end = self._tok.token_to_id(_END_OF_TEXT)
         if end is not None:

@@ -1,0 +1,85 @@
+"""Attention planning: an iteration's block tables -> the slots each layer's attention reads and writes.
+
+The engine flattens every scheduled token of an iteration into one [T, ...] batch so the matmuls run once;
+only attention is per sequence group: all decode sequences (one new token each) in one padded, masked group,
+and each prefill chunk on its own (causal, with earlier context gathered from the pool when there is some).
+The plan is built once per iteration and reused by every layer; the kernels that consume it are in
+plugins.paged_attention and know nothing of blocks or segments, only of the tensors and slots planned here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plugins.paged_attention import decode_kernel_op
+
+from .kv_cache import KVPool, SlotPiece
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    start: int  # first row of this sequence's new tokens in the flattened batch
+    q_len: int  # new tokens this iteration
+    ctx_len: int  # tokens in the cache after this iteration (earlier context + new)
+    block_table: list[int]
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Global slot ids of positions [start, end) of one sequence (plain ints: a plan has a few thousand, and
+    building them in Python costs less than a chain of small torch ops per sequence)."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+class AttentionPlan:
+    """What plugins.paged_attention reads: `write`, the decode group (`decode_*`, `fused_decode`), `prefills`,
+    `kv_dtype` and `head_dim`."""
+
+    def __init__(self, pool: KVPool, seqs: list[SeqSlice]):
+        bs = pool.block_size
+        self.kv_dtype = pool.dtype
+        self.head_dim = pool.config.head_dim
+        self.num_tokens = sum(s.q_len for s in seqs)
+        # Where each new token's K/V goes.
+        write_slots = [slot for s in seqs for slot in _slots(s.block_table, s.ctx_len - s.q_len, s.ctx_len, bs)]
+        self.write: list[SlotPiece] = pool.split_slots(torch.tensor(write_slots, dtype=torch.long))
+        # Decode group: one new token per sequence, keys padded to the longest context and masked.
+        dec = [s for s in seqs if s.q_len == 1]
+        self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long)
+        self.decode_len = max((s.ctx_len for s in dec), default=0)
+        self.decode_gather: list[SlotPiece] = []
+        self.decode_mask: torch.Tensor | None = None
+        # For the C++ op: (op, segment tensors, segment of each position [B, L], local slot [B, L], lengths [B]).
+        self.decode_kernel: tuple | None = None
+        # Decode rows are exactly 0..T-1 (a pure decode step): the op's output is the whole attention output.
+        self.decode_only = len(dec) == len(seqs) and all(s.start == i for i, s in enumerate(dec))
+        # Pure decode on the C++ path: layers call decode_attention_qkv (RoPE, K/V write and attention in one op).
+        self.fused_decode = False
+        if dec:
+            L = self.decode_len
+            lens = torch.tensor([s.ctx_len for s in dec])
+            rows = []
+            for s in dec:
+                row = _slots(s.block_table, 0, s.ctx_len, bs)
+                # Padding positions read the sequence's own first slot (always valid) and are masked out.
+                rows.append(row + row[:1] * (L - s.ctx_len))
+            slots = torch.tensor(rows, dtype=torch.long)
+            if (op := decode_kernel_op(pool.dtype, pool.segments[0].kv.is_cuda)) is not None:
+                self.decode_kernel = (op, [seg.kv for seg in pool.segments], *pool.locate_slots(slots), lens)
+                self.fused_decode = self.decode_only
+            else:
+                self.decode_gather = pool.split_slots(slots.flatten())
+                valid = torch.arange(L)[None, :] < lens[:, None]
+                self.decode_mask = None if bool(valid.all()) else valid[:, None, None, :]
+        # Prefill chunks: causal over new tokens, plus earlier context read back from the pool.
+        self.prefills: list[tuple[SeqSlice, list[SlotPiece] | None, torch.Tensor | None]] = []
+        for s in seqs:
+            if s.q_len == 1:
+                continue
+            if s.ctx_len == s.q_len:
+                self.prefills.append((s, None, None))
+            else:
+                gather = pool.split_slots(torch.tensor(_slots(s.block_table, 0, s.ctx_len, bs), dtype=torch.long))
+                q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len)
+                mask = torch.arange(s.ctx_len)[None, :] <= q_pos[:, None]
+                self.prefills.append((s, gather, mask))

@@ -1,0 +1,21 @@
+"""The precisions a decoder layer's fragment can have: one vocabulary for manifests, the runtime and tools.
+
+A `StrEnum`, so a member is its string everywhere it is written down (manifest keys, logs, JSON, metrics):
+`Precision.INT4 == "int4"` and `f"{Precision.INT4}"` is `int4`.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Precision(StrEnum):
+    FULL = "full"  # the checkpoint's weights (fp32 on disk; the compute or fp16 storage dtype when loaded)
+    INT4 = "int4"  # AWQ, group-wise, what the morph manager swaps to
+    INT8 = "int8"  # per-channel RTN, a middle rung built beside INT4
+
+
+def parse_precision(name: str) -> Precision:
+    try:
+        return Precision(name)
+    except ValueError:
+        raise ValueError(f"unknown precision {name!r} (known: {', '.join(p.value for p in Precision)})") from None
