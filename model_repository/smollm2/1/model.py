@@ -48,7 +48,10 @@ INPUTS = (
     InputSpec("temperature", "float", "temperature"),
     InputSpec("top_k", "int", "top_k"),
     InputSpec("top_p", "float", "top_p"),
+    InputSpec("seed", "int", "seed"),  # the name Triton's OpenAI frontend may send; random_seed is TensorRT-LLM's
     InputSpec("random_seed", "int", "seed"),
+    InputSpec("frequency_penalty", "float", "frequency_penalty"),
+    InputSpec("presence_penalty", "float", "presence_penalty"),
     InputSpec("min_length", "int", "min_tokens"),
     InputSpec("stop_words", "texts", "stop"),
     InputSpec("stream", "bool"),
@@ -126,6 +129,8 @@ def decode_request(request, defaults: dict) -> Decoded:
         raise InvalidRequest("text_input", "is required")
     if values.get("beam_width", 1) != 1:
         raise InvalidRequest("beam_width", f"only 1 is supported, got {values['beam_width']}")
+    if "seed" in values and "random_seed" in values and values["seed"] != values["random_seed"]:
+        raise InvalidRequest("seed", "give seed or random_seed, not two different values")
     sampling = dict(defaults)
     sampling.update({s.field: values[s.name] for s in INPUTS if s.field and s.name in values})
     # NOTE: as in the TensorRT-LLM backend a streamed response carries only new text; a single response
@@ -143,11 +148,14 @@ def triton_error(exc: InvalidRequest):
     return pb_utils.TritonError(f"{name}: {message}", pb_utils.TritonError.INVALID_ARG)
 
 
-def make_response(text: str, token_count: int, int4_layers: list[int]):
+def make_response(text: str, token_count: int, int4_layers: list[int], prompt_tokens: int = 0,
+                  finish_reason: str | None = None):
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
         pb_utils.Tensor("output_token_count", np.array([[token_count]], dtype=np.int32)),
         pb_utils.Tensor("int4_layers", np.array([int4_layers], dtype=np.int32).reshape(1, -1)),
+        pb_utils.Tensor("prompt_token_count", np.array([[prompt_tokens]], dtype=np.int32)),
+        pb_utils.Tensor("finish_reason", np.array([[(finish_reason or "").encode()]], dtype=np.object_)),
     ])
 
 
@@ -287,7 +295,11 @@ class TritonPythonModel:
             elif live.stream:
                 text = live.take_prefix() + out.text
                 if text or out.token_ids:
-                    live.send(make_response(text, len(out.token_ids), out.int4_layers), final=out.finished)
+                    live.send(make_response(text, len(out.token_ids), out.int4_layers, out.num_prompt_tokens,
+                                            out.finish_reason), final=out.finished)
+                elif out.finished and out.finish_reason in ("stop", "length"):
+                    # NOTE: a response, not a bare final flag: the client learns why it ended (OpenAI's finish_reason)
+                    live.send(make_response("", 0, [], out.num_prompt_tokens, out.finish_reason), final=True)
                 elif out.finished:
                     live.send(final=True)
             else:
@@ -295,7 +307,8 @@ class TritonPythonModel:
                 live.int4.extend(out.int4_layers)
                 if out.finished:
                     text = live.take_prefix() + "".join(live.parts)
-                    live.send(make_response(text, out.num_output_tokens, live.int4), final=True)
+                    live.send(make_response(text, out.num_output_tokens, live.int4, out.num_prompt_tokens,
+                                            out.finish_reason), final=True)
         except Exception as exc:  # the client may be gone; the request still has to be accounted
             log_error(f"sending a response for {live.rid} failed: {exc!r}")
         if out.finished:
