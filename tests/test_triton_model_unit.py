@@ -196,7 +196,7 @@ class FakeEngine:
     def stats(self):
         return EngineStats(running=len(self.requests), kv_blocks_total=10, kv_blocks_used=2 * len(self.requests),
                            kv_blocks_free=10 - 2 * len(self.requests), prompt_tokens=7, generation_tokens=5,
-                           swap_timings=[(0.01, 0.002)])
+                           swap_timings=((0.01, 0.002),), swaps_timed=1)
 
     def shutdown(self, drain_timeout_s=5.0):
         self.shut_down_with = drain_timeout_s
@@ -440,7 +440,7 @@ def test_metrics_families_and_updates(model):
     assert fams["morphserve_requests"].get(state="active").value == 2
     assert fams["morphserve_kv_cache_blocks"].get(type="used").value == 4
     assert fams["morphserve_prompt_tokens_total"].get().value == 7  # advanced once, not per update
-    assert fams["morphserve_swap_apply_seconds"].get().observations[:1] == [0.002]
+    assert fams["morphserve_swap_apply_seconds"].get().observations == [0.002]  # one swap, observed once
     drain(model)
     assert len(fams["morphserve_time_to_first_token_seconds"].get().observations) == 2
     assert len(fams["morphserve_time_per_output_token_seconds"].get().observations) == 2

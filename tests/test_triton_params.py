@@ -111,3 +111,13 @@ def test_docs_table_is_generated_from_the_table():
     doc = (ROOT / "README.md").read_text()
     assert triton_params.markdown_table() in doc, "regenerate: python -m trtllm_backend.triton.params"
 
+
+def test_morph_policy_accepts_exactly_the_controllers_names():
+    from trtllm_backend.controller import POLICY_NAMES
+
+    for spec in (*POLICY_NAMES, "int4:0", "int4:12"):
+        assert parse_params({"morph_policy": spec}).engine["morph_policy"] == spec
+    for spec in ("int4:", "int4:x", "full,int4", ""):
+        with pytest.raises(ParamError, match="'morph_policy'"):
+            parse_params({"morph_policy": spec})
+    assert BY_NAME["morph_policy"].check.doc == " / ".join(POLICY_NAMES) + " / int4:N"

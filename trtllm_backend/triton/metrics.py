@@ -96,6 +96,7 @@ class TritonMetrics:
         self.swap_apply = self._single("morphserve_swap_apply_seconds", "Layer swap application (iteration boundary)",
                                        hist, SWAP_BUCKETS)
         self.kv_capacity.set(kv_capacity_blocks)
+        self._swaps_seen = 0  # EngineStats.swaps_timed at the last update: each swap is observed once
 
     def _family(self, name: str, doc: str, kind: Any) -> Any:
         family = self._pb.MetricFamily(name=name, description=doc, kind=kind)
@@ -118,8 +119,7 @@ class TritonMetrics:
 
     # --- updates ----------------------------------------------------------------------------------------------
     def update(self, stats: EngineStats, active: int) -> None:
-        """From the metrics thread. NOTE: stats.swap_timings is drained by each engine.stats() call, so only
-        this thread may call engine.stats() in the server."""
+        """From the metrics thread, with a fresh engine.stats() snapshot (reading one changes nothing)."""
         self.requests["active"].set(active)
         self.requests["waiting"].set(stats.waiting)
         self.requests["scheduled"].set(stats.running)
@@ -138,9 +138,12 @@ class TritonMetrics:
         self.resizes["grow"].advance(stats.kv_grows)
         self.resizes["shrink"].advance(stats.kv_shrinks)
         self.swap_failures.advance(stats.swap_failures)
-        for prepare_s, apply_s in stats.swap_timings:
+        if stats.swaps_timed < self._swaps_seen:  # a new engine counts from zero again
+            self._swaps_seen = 0
+        for prepare_s, apply_s in stats.timings_since(self._swaps_seen):
             self.swap_prepare.observe(prepare_s)
             self.swap_apply.observe(apply_s)
+        self._swaps_seen = stats.swaps_timed
 
     def request_finished(self, status: str, timings: RequestTimings | None = None, num_output_tokens: int = 0) -> None:
         """Count a finished request; a request rejected before it reached the engine has no timings."""

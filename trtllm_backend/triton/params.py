@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
+
+from ..controller import POLICY_NAMES, is_policy_spec
 
 
 class ParamError(ValueError):
@@ -131,8 +132,7 @@ PARAMS: tuple[Param, ...] = (
     # Morphing (issue 4). Thresholds left empty keep the policy's own value.
     Param("morph_policy", "str", "balanced", "engine.morph_policy",
           "accuracy / balanced / performance (dynamic), or static: full, int4 (every layer), int4:N.",
-          Check(lambda v: re.fullmatch(r"accuracy|balanced|performance|full|int4|int4:\d+", v) is not None,
-                "accuracy / balanced / performance / full / int4 / int4:N")),
+          Check(is_policy_spec, " / ".join((*POLICY_NAMES, "int4:N")))),
     Param("memory_budget_bytes", "int?", "", "engine.memory_budget_bytes",
           "Bound on resident weights + KV blocks; empty: full-precision model + base KV pool + one staging fragment.",
           at_least(1)),

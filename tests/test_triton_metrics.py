@@ -1,0 +1,48 @@
+"""trtllm_backend.triton.metrics on its own: engine snapshots -> Prometheus families (a fake pb_utils, as in
+tests/test_triton_model_unit.py, since Triton's MetricFamily exists only inside the stub)."""
+from __future__ import annotations
+
+import pytest
+
+from test_triton_model_unit import FakeMetricFamily, fake_pb_utils
+from trtllm_backend.outputs import EngineStats
+from trtllm_backend.triton.metrics import TritonMetrics
+
+
+@pytest.fixture
+def metrics():
+    FakeMetricFamily.created.clear()
+    return TritonMetrics(fake_pb_utils(), {"model": "m", "version": "1"}, kv_capacity_blocks=64)
+
+
+def observed(name: str) -> list[float]:
+    return FakeMetricFamily.created[name].get().observations
+
+
+def test_each_swap_is_observed_once_however_often_stats_are_read(metrics):
+    first = EngineStats(swap_timings=((0.1, 0.01),), swaps_timed=1)
+    metrics.update(first, active=0)
+    metrics.update(first, active=0)
+    assert observed("morphserve_swap_prepare_seconds") == [0.1]
+    metrics.update(EngineStats(swap_timings=((0.1, 0.01), (0.2, 0.02), (0.3, 0.03)), swaps_timed=3), active=0)
+    assert observed("morphserve_swap_prepare_seconds") == [0.1, 0.2, 0.3]
+    assert observed("morphserve_swap_apply_seconds") == [0.01, 0.02, 0.03]
+
+
+def test_a_new_engine_counts_from_zero(metrics):
+    metrics.update(EngineStats(swap_timings=((0.1, 0.01),) * 5, swaps_timed=5, swaps_down=5), active=0)
+    metrics.update(EngineStats(swap_timings=((0.4, 0.04),), swaps_timed=1, swaps_down=1), active=0)
+    assert observed("morphserve_swap_prepare_seconds") == [0.1] * 5 + [0.4]
+    swaps = FakeMetricFamily.created["morphserve_layer_swaps_total"].get(direction="down")
+    metrics.update(EngineStats(swaps_timed=1, swaps_down=3), active=0)
+    assert swaps.value == 5 + 2  # counters advance by the difference from the new engine's last total
+
+
+def test_gauges_follow_the_snapshot(metrics):
+    metrics.update(EngineStats(waiting=3, running=2, kv_blocks_total=80, kv_blocks_used=20, kv_blocks_free=60,
+                               kv_usage=0.25, int4_layers=4), active=5)
+    get = lambda name, **kw: FakeMetricFamily.created[name].get(**kw).value  # noqa: E731
+    assert (get("morphserve_requests", state="active"), get("morphserve_requests", state="waiting"),
+            get("morphserve_requests", state="scheduled")) == (5, 3, 2)
+    assert get("morphserve_kv_cache_blocks", type="max") == 80 and get("morphserve_kv_cache_usage_ratio") == 0.25
+    assert get("morphserve_int4_layers") == 4 and get("morphserve_kv_capacity_blocks") == 64
