@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from plugins import cpu_kernels, paged_attention, quant_matmul, skinny_gemm
+from trtllm_backend import attention
 from trtllm_backend.kv_cache import KVPool
 from trtllm_backend.manifest import ModelConfig
 
@@ -173,9 +174,9 @@ def _pool_with_sequences(lens: list[int], segments: tuple[int, ...] = (6, 8, 7))
 def _attention(pool, tables, lens, q, use_kernel: bool, monkeypatch) -> torch.Tensor:
     """Decode attention through the plan: the C++ op or the torch reference path."""
     if not use_kernel:
-        monkeypatch.setattr(paged_attention, "_kernel_decode", lambda pool: None)
-    seqs = [paged_attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
-    plan = paged_attention.AttentionPlan(pool, seqs)
+        monkeypatch.setattr(attention, "decode_kernel_op", lambda kv_dtype, on_cuda: None)
+    seqs = [attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
+    plan = attention.AttentionPlan(pool, seqs)
     assert (plan.decode_kernel is not None) == use_kernel
     layer = 1
     # The new token's K/V: what the pool already holds at its slot, so both paths see the same cache.
@@ -252,8 +253,8 @@ def _fused_inputs(lens: list[int], seed: int = 5):
 
 
 def _decode_plan(pool, tables, lens):
-    seqs = [paged_attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
-    return paged_attention.AttentionPlan(pool, seqs)
+    seqs = [attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
+    return attention.AttentionPlan(pool, seqs)
 
 
 @needs_kernels
@@ -265,7 +266,7 @@ def test_fused_decode_attention_equals_rope_then_pool_write_then_attention(monke
     qkv, cos, sin = _fused_inputs(lens)
     # Reference: torch RoPE, the plan's torch pool write, the torch attention, on an identical pool.
     ref_pool, tables = _pool_with_sequences(lens)
-    monkeypatch.setattr(paged_attention, "_kernel_decode", lambda pool: None)
+    monkeypatch.setattr(attention, "decode_kernel_op", lambda kv_dtype, on_cuda: None)
     ref_plan = _decode_plan(ref_pool, tables, lens)
     assert not ref_plan.fused_decode
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=1)
