@@ -2,6 +2,8 @@
 
     python docker/smoke_client.py check --host 127.0.0.1 --http-port 8000 --grpc-port 8001 --metrics-port 8002
     python docker/smoke_client.py load --seconds 30 --concurrency 4      (traffic for the dashboard)
+    python docker/smoke_client.py burst --http-port 8000 --grpc-port 8001 --lb-admin-port 8404 \
+        --replica-metrics 8102,8202 --requests 16                          (replicas behind the balancer)
 
 `check` sends one streaming gRPC request and one HTTP generate request, then reads /metrics and fails
 unless every morphserve_ metric family of the fixed contract is exported.
@@ -9,7 +11,10 @@ unless every morphserve_ metric family of the fixed contract is exported.
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
+import re
 import queue
 import sys
 import threading
@@ -129,17 +134,87 @@ def load(a) -> int:
     return 1 if errors[0] > done[0] else 0
 
 
+def lb_servers(host: str, admin_port: int) -> dict[tuple[str, str], dict]:
+    """HAProxy's per-server rows (backend, server) -> stats, from its CSV stats page."""
+    with urllib.request.urlopen(f"http://{host}:{admin_port}/stats;csv", timeout=10) as r:
+        rows = csv.DictReader(io.StringIO(r.read().decode().lstrip("# ")))
+        return {(row["pxname"], row["svname"]): row for row in rows if row["svname"] not in ("FRONTEND", "BACKEND")}
+
+
+def successes(host: str, port: int) -> float:
+    """morphserve_requests_total{status="success"} of one replica."""
+    m = re.search(r'^morphserve_requests_total\{[^}]*status="success"[^}]*\} (\S+)$', metrics(host, port), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def burst(a) -> int:
+    """A burst through the load balancer, half gRPC streams, half HTTP generate: every request must complete
+    with text, both protocols must be routed, and every replica must have served some (its own counter)."""
+    ports = [int(p) for p in a.replica_metrics.split(",")]
+    deadline = time.monotonic() + 60  # compose's --wait saw the containers ready; HAProxy needs 2 passed checks
+    while True:
+        servers = lb_servers(a.host, a.lb_admin_port)
+        down = [k for k, row in servers.items() if row["status"] != "UP"]
+        if not down:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the balancer still sees servers not UP after 60 s: {down}")
+        time.sleep(1)
+    print(f"[burst] balancer: {len(servers)} servers UP ({', '.join('/'.join(k) for k in sorted(servers))})")
+    before = [successes(a.host, p) for p in ports]
+    results: list = [None] * a.requests
+    prompts = ["Explain how a steam engine works.", "Once upon a time", PROMPT]  # each generates 16 tokens
+
+    def one(i: int) -> None:
+        try:
+            prompt = prompts[i % len(prompts)]
+            if i % 2:
+                text = http_generate(a.host, a.http_port, prompt, a.max_tokens)
+            else:
+                text = "".join(grpc_stream(f"{a.host}:{a.grpc_port}", prompt, a.max_tokens))
+            results[i] = text if text.strip() else AssertionError("empty answer")
+        except Exception as exc:  # noqa: BLE001 -- reported with its request below
+            results[i] = exc
+
+    t = time.monotonic()
+    pending = list(range(a.requests))
+    while pending:  # `concurrency` requests in flight at once
+        batch, pending = pending[:a.concurrency], pending[a.concurrency:]
+        threads = [threading.Thread(target=one, args=(i,)) for i in batch]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    took = time.monotonic() - t
+    failed = {i: r for i, r in enumerate(results) if isinstance(r, Exception) or r is None}
+    assert not failed, f"{len(failed)}/{a.requests} requests through the balancer failed: {failed}"
+    time.sleep(0.5)  # the counter is updated as a request finishes; let the last ones land
+    served = [successes(a.host, p) - b for p, b in zip(ports, before)]
+    rows = lb_servers(a.host, a.lb_admin_port)
+    routed = {b: sum(int(r["stot"] or 0) for (pb, _), r in rows.items() if pb == b) for b in ("triton_http", "triton_grpc")}
+    print(f"[burst] {a.requests} requests in {took:.1f}s, all completed; served per replica: "
+          f"{[int(s) for s in served]}; balancer sessions per backend: {routed}")
+    assert all(s >= 1 for s in served), f"a replica served nothing: {served}"
+    assert sum(served) == a.requests, f"replicas counted {sum(served)} successes for {a.requests} requests"
+    assert routed["triton_http"] >= 1 and routed["triton_grpc"] >= 1, f"a protocol was not routed: {routed}"
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["check", "load"])
+    ap.add_argument("what", choices=["check", "load", "burst"])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=16, help="burst: requests sent")
+    ap.add_argument("--max-tokens", type=int, default=16, help="burst: tokens per request")
+    ap.add_argument("--lb-admin-port", type=int, default=8404, help="burst: HAProxy's stats/health port")
+    ap.add_argument("--replica-metrics", default="8102,8202", help="burst: the replicas' metrics ports")
     a = ap.parse_args()
-    return check(a) if a.what == "check" else load(a)
+    return {"check": check, "load": load, "burst": burst}[a.what](a)
 
 
 if __name__ == "__main__":

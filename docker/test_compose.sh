@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end test of the container deployment, runnable on a fresh Debian 12 machine as root:
 #   base image (debootstrap) -> CPU image -> `docker compose up --wait` -> gRPC stream + HTTP generate
-#   -> /metrics -> Prometheus (Debian's) scrapes it -> dashboard panels rendered -> `docker compose down`.
+#   -> /metrics -> Prometheus (Debian's) scrapes it -> dashboard panels rendered -> `docker compose down`
+#   -> profile `replicas`: 2 servers behind HAProxy, a burst through it, both replicas served, every request done.
 # Starts dockerd itself (own data root, no bridge, no iptables) when none answers, and stops it by pid.
-# Knobs: MORPHSERVE_DOCKER_ROOT (dockerd data root, the image cache), MORPHSERVE_TEST_{HTTP,GRPC,METRICS}_PORT,
+# Knobs: MORPHSERVE_DOCKER_ROOT (dockerd data root, the image cache), MORPHSERVE_TEST_PORT_BASE (13 ports from it),
 #        MORPHSERVE_TEST_LOAD_S / _IDLE_S (traffic, then quiet, for the dashboard), PYTHON (client venv),
 #        MORPHSERVE_PIP_EXTRA_ARGS (e.g. an extra index with CPU torch where no local wheel exists).
 set -euo pipefail
@@ -15,9 +16,11 @@ PY=${PYTHON:-$PWD/.venv/bin/python}
 DATA_ROOT=${MORPHSERVE_DOCKER_ROOT:-/var/lib/docker-morphserve}  # outside the clone: the cache survives fresh clones
 BASE_TAG=${MORPHSERVE_BASE_IMAGE:-morphserve/base:bookworm-py311}
 IMAGE=${MORPHSERVE_IMAGE:-morphserve/triton-cpu:test}
-# Host networking shares the host's ports: take four that are free now (a developer's server or another
+LB_IMAGE=${MORPHSERVE_LB_IMAGE:-morphserve/lb:test}
+# Host networking shares the host's ports: take 13 in a row that are free now (a developer's server or another
 # test may hold 8000-8002), unless given. A taken port would let the healthcheck reach someone else's server.
-read -r FREE_HTTP FREE_GRPC FREE_METRICS FREE_PROM < <(python3 - <<'PYEOF'
+# base+0..3: the single server and Prometheus; base+4..6: the balancer (HTTP, gRPC, admin); base+7..12: 2 replicas.
+PORT_BASE=${MORPHSERVE_TEST_PORT_BASE:-$(python3 - <<'PYEOF'
 import random, socket
 def free(p):
     with socket.socket() as s:
@@ -26,13 +29,12 @@ def free(p):
         except OSError:
             return False
 while True:
-    base = random.randrange(20000, 29000, 10)
-    if all(free(base + i) for i in range(4)):
-        print(base, base + 1, base + 2, base + 3); break
+    base = random.randrange(20000, 29000, 20)
+    if all(free(base + i) for i in range(13)):
+        print(base); break
 PYEOF
-)
-HTTP=${MORPHSERVE_TEST_HTTP_PORT:-$FREE_HTTP}; GRPC=${MORPHSERVE_TEST_GRPC_PORT:-$FREE_GRPC}
-METRICS=${MORPHSERVE_TEST_METRICS_PORT:-$FREE_METRICS}; PROM_PORT=${MORPHSERVE_TEST_PROMETHEUS_PORT:-$FREE_PROM}
+)}
+HTTP=$PORT_BASE; GRPC=$((PORT_BASE + 1)); METRICS=$((PORT_BASE + 2)); PROM_PORT=$((PORT_BASE + 3))
 COMPOSE_VERSION=2.40.3
 mkdir -p "$WORK" "$RESULTS"
 log() { echo "[docker-test +$(( $(date +%s) - T0 ))s] $*"; }
@@ -58,14 +60,14 @@ fi
 log "$(docker compose version)"
 
 # ---- every profile's configuration (no daemon needed) ----
-for profiles in "" "--profile monitoring" "--profile gpu" "--profile monitoring --profile gpu"; do
+for profiles in "" "--profile monitoring" "--profile gpu" "--profile monitoring --profile gpu" "--profile replicas"; do
   docker compose -f docker/compose.yaml $profiles config -q
 done
-MORPHSERVE_FRAGMENTS_DIR=/tmp docker compose -f docker/compose.yaml -f docker/compose.fragments.yaml config -q
-log "compose config valid: default, monitoring, gpu, monitoring+gpu, fragments override"
+MORPHSERVE_FRAGMENTS_DIR=/tmp docker compose -f docker/compose.yaml -f docker/compose.fragments.yaml --profile replicas config -q
+log "compose config valid: default, monitoring, gpu, monitoring+gpu, replicas, fragments override"
 
 # ---- what we start, we stop (by pid) ----
-DOCKERD_PID=""; PROM_PID=""; UP=0
+DOCKERD_PID=""; PROM_PID=""; UP=0; RUP=0
 cleanup() {
   local rc=$?
   set +e
@@ -73,6 +75,11 @@ cleanup() {
     $COMPOSE logs --no-color >"$WORK/server.log" 2>&1
     [ "$rc" = 0 ] || { echo "---- server log (tail; all of it in $WORK/server.log)"; tail -40 "$WORK/server.log"; }
     $COMPOSE down --timeout 30 >/dev/null 2>&1
+  fi
+  if [ "$RUP" = 1 ]; then
+    $RCOMPOSE logs --no-color >"$WORK/replicas.log" 2>&1
+    [ "$rc" = 0 ] || { echo "---- replicas + balancer log (tail; all of it in $WORK/replicas.log)"; tail -40 "$WORK/replicas.log"; }
+    $RCOMPOSE down --timeout 30 >/dev/null 2>&1
   fi
   [ -n "$PROM_PID" ] && kill "$PROM_PID" 2>/dev/null && wait "$PROM_PID" 2>/dev/null
   if [ -n "$DOCKERD_PID" ]; then
@@ -188,7 +195,37 @@ PYEOF
 "$PY" docker/render_panels.py --prometheus "http://127.0.0.1:$PROM_PORT" --minutes 2 --out "$RESULTS/dashboard.png"
 
 $COMPOSE down --timeout 30 >/dev/null 2>&1; UP=0
+
+# ---- profile `replicas`: 2 servers behind HAProxy (Debian's, in an image built FROM the same local base) ----
+log "building $LB_IMAGE (FROM $BASE_TAG)"
+tb=$(date +%s)
+DOCKER_BUILDKIT=0 docker build -q --force-rm --network host --build-arg "BASE_IMAGE=$BASE_TAG" -t "$LB_IMAGE" docker/lb \
+  >"$WORK/build-lb.log" 2>&1 || { tail -40 "$WORK/build-lb.log"; exit 1; }
+LB_BUILD_S=$(( $(date +%s) - tb ))
+export MORPHSERVE_LB_IMAGE=$LB_IMAGE MORPHSERVE_LB_BIND_ADDR=127.0.0.1
+export MORPHSERVE_HTTP_PORT=$((PORT_BASE + 4)) MORPHSERVE_GRPC_PORT=$((PORT_BASE + 5)) MORPHSERVE_LB_ADMIN_PORT=$((PORT_BASE + 6))
+export MORPHSERVE_REPLICA1_HTTP_PORT=$((PORT_BASE + 7)) MORPHSERVE_REPLICA1_GRPC_PORT=$((PORT_BASE + 8)) MORPHSERVE_REPLICA1_METRICS_PORT=$((PORT_BASE + 9))
+export MORPHSERVE_REPLICA2_HTTP_PORT=$((PORT_BASE + 10)) MORPHSERVE_REPLICA2_GRPC_PORT=$((PORT_BASE + 11)) MORPHSERVE_REPLICA2_METRICS_PORT=$((PORT_BASE + 12))
+# Two servers on this machine's cores: one compute thread each.
+export MORPHSERVE_NUM_THREADS=${MORPHSERVE_TEST_REPLICA_THREADS:-1}
+RCOMPOSE="${COMPOSE/-p morphserve-test /-p morphserve-test-replicas }"
+tu=$(date +%s.%N)
+RUP=1
+$RCOMPOSE --profile replicas up -d --wait --wait-timeout 600 --no-build replica-1 replica-2 lb \
+  || { $RCOMPOSE logs --no-color | tail -60; exit 1; }
+RUP_S=$(printf '%.1f' "$(echo "$(date +%s.%N) - $tu" | bc)")
+log "2 replicas + balancer healthy in ${RUP_S}s (LB image built in ${LB_BUILD_S}s); balancer on $MORPHSERVE_HTTP_PORT/$MORPHSERVE_GRPC_PORT"
+BURST=$("$PY" docker/smoke_client.py burst --http-port "$MORPHSERVE_HTTP_PORT" --grpc-port "$MORPHSERVE_GRPC_PORT" \
+  --lb-admin-port "$MORPHSERVE_LB_ADMIN_PORT" --replica-metrics "$MORPHSERVE_REPLICA1_METRICS_PORT,$MORPHSERVE_REPLICA2_METRICS_PORT" \
+  --requests "${MORPHSERVE_TEST_BURST:-16}" --concurrency 8 --max-tokens 16 | tee /dev/stderr | tail -1)
+for svc in replica-1 replica-2 lb; do
+  state=$(docker inspect -f '{{.State.Status}} restarts={{.RestartCount}}' "$($RCOMPOSE ps -q "$svc")")
+  [ "$state" = "running restarts=0" ] || { echo "$svc state: $state"; exit 1; }
+done
+$RCOMPOSE down --timeout 30 >/dev/null 2>&1; RUP=0
+SERVED=$(echo "$BURST" | grep -o 'served per replica: \[[0-9, ]*\]' | grep -o '\[.*\]' | tr -d ' ')
+
 TOTAL=$(( $(date +%s) - T0 ))
-summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S total_s=$TOTAL"
+summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S replicas_up_s=$RUP_S burst_served=$SERVED total_s=$TOTAL"
 echo "$summary" >"$RESULTS/last_run.txt"
 log "PASS: $summary"
