@@ -42,12 +42,15 @@ NAME_RE = re.compile(r"\bmorphserve_[a-z0-9_]+")
 
 
 def exported_names() -> set[str]:
-    """Names the server declares: parsed from the glue's source once it exists (the source of truth)."""
-    if METRICS_SRC.exists():
-        names = set(re.findall(r"""["'](morphserve_[a-z0-9_]+)["']""", METRICS_SRC.read_text()))
-        if names:
-            return names
-    return set(EXPORTED) | HISTOGRAMS
+    """Names the server declares, parsed from the Triton glue's metric table (the source of truth)."""
+    names = set(re.findall(r"""["'](morphserve_[a-z0-9_]+)["']""", METRICS_SRC.read_text()))
+    assert names, f"{METRICS_SRC} declares no morphserve_ metric"
+    return names
+
+
+def test_the_fixed_contract_matches_the_server():
+    """EXPORTED/HISTOGRAMS (the label values the dashboard and deploy/ rules may use) are the server's names."""
+    assert exported_names() == set(EXPORTED) | HISTOGRAMS
 
 
 def dashboard_exprs() -> list[tuple[str, str]]:
@@ -111,6 +114,7 @@ def test_compose_services_and_profiles():
     assert svc["triton-gpu"]["profiles"] == ["gpu"]
     assert svc["triton-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert svc["prometheus"]["profiles"] == svc["grafana"]["profiles"] == ["monitoring"]
+    assert svc["replica-1"]["profiles"] == svc["replica-2"]["profiles"] == svc["lb"]["profiles"] == ["replicas"]
     for name, s in svc.items():
         assert s["network_mode"] == "host", name
     text = (DOCKER / "compose.yaml").read_text()
@@ -141,6 +145,65 @@ def test_compose_parameters_are_valid_server_parameters(policy):
     assert compose_params("triton-gpu")["device"] == "cuda"
     for value in ("", "4000000000"):  # empty = the server's automatic budget
         triton_params.parse_params(compose_params("triton", {"MORPHSERVE_MEMORY_BUDGET_BYTES": value}))
+    for replica in ("replica-1", "replica-2"):
+        for threads in ("", "1"):
+            params = replica_params(replica, {"MORPHSERVE_POLICY": policy, "MORPHSERVE_NUM_THREADS": threads})
+            assert params["morph_policy"] == policy and params["num_threads"] == threads
+            triton_params.parse_params(params)
+
+
+def resolve(value, env: dict[str, str] | None = None) -> str:
+    """${VAR:-default} as compose resolves it (':-' also replaces an empty value)."""
+    env = env or {}
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), str(value))
+
+
+def replica_params(service: str, env: dict[str, str]) -> dict[str, str]:
+    """A replica's --param flags: its shell command expanded with the container environment compose gives it."""
+    svc = compose()["services"][service]
+    container_env = {k: resolve(v, env) for k, v in svc["environment"].items()}
+    (cmd,) = svc["command"]
+    assert svc["entrypoint"] == ["/bin/sh", "-c"] and cmd.startswith("exec python3 -m trtllm_backend.serve ")
+    # `$$` is compose's escape for a literal `$`: the shell expands these from the container's environment.
+    expanded = re.sub(r"\$\$(\w+)", lambda m: container_env[m.group(1)], cmd)
+    args = [a or b for a, b in re.findall(r'"([^"]*)"|(\S+)', expanded)]
+    return dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--param")
+
+
+def test_replicas_have_their_own_ports_and_the_balancer_knows_them():
+    svc = compose()["services"]
+    ports = [tuple(resolve(svc[r]["environment"][f"MORPHSERVE_{k}_PORT"]) for k in ("HTTP", "GRPC", "METRICS"))
+             for r in ("replica-1", "replica-2")]
+    assert len({p for trio in ports for p in trio}) == 6, f"two replicas share a port: {ports}"
+    lb = {k: resolve(v) for k, v in svc["lb"]["environment"].items()}
+    assert (lb["REPLICA1_HTTP_PORT"], lb["REPLICA1_GRPC_PORT"]) == ports[0][:2]
+    assert (lb["REPLICA2_HTTP_PORT"], lb["REPLICA2_GRPC_PORT"]) == ports[1][:2]
+    assert (lb["LB_HTTP_PORT"], lb["LB_GRPC_PORT"]) == ("8000", "8001"), "clients keep the usual ports"
+    assert set(svc["lb"]["depends_on"]) == {"replica-1", "replica-2"}
+
+
+def test_haproxy_config():
+    """Least-request balancing and /v2/health/ready checks on every server of both backends; `haproxy -c`
+    accepts it where HAProxy is installed (the balancer image runs the same file)."""
+    cfg = (DOCKER / "lb" / "haproxy.cfg").read_text()
+    blocks = {m.group(1): m.group(2) for m in re.finditer(r"^backend (\S+)\n(.*?)(?=^\S|\Z)", cfg, re.M | re.S)}
+    assert set(blocks) == {"triton_http", "triton_grpc"}, blocks
+    for name, block in blocks.items():
+        assert "balance leastconn" in block and "option httpchk GET /v2/health/ready" in block, name
+        servers = re.findall(r"^\s+server (\S+) (.*)$", block, re.M)
+        assert [s for s, _ in servers] == ["replica-1", "replica-2"], name
+        assert all(" check" in rest for _, rest in servers) or "default-server check" in block, name
+    for _, rest in re.findall(r"^\s+server (\S+) (.*)$", blocks["triton_grpc"], re.M):
+        assert "proto h2" in rest and "check-proto h1" in rest, "gRPC needs HTTP/2 to the server, HTTP/1.1 checks"
+    assert re.search(r"^frontend grpc\n\s+bind \S+ proto h2$", cfg, re.M), "the gRPC frontend must speak h2"
+    haproxy = shutil.which("haproxy")
+    if haproxy:
+        env = dict(os.environ, LB_BIND_ADDR="127.0.0.1", LB_HTTP_PORT="18000", LB_GRPC_PORT="18001",
+                   LB_ADMIN_PORT="18404", REPLICA1_HTTP_PORT="18100", REPLICA1_GRPC_PORT="18101",
+                   REPLICA2_HTTP_PORT="18200", REPLICA2_GRPC_PORT="18201")
+        r = subprocess.run([haproxy, "-c", "-f", str(DOCKER / "lb" / "haproxy.cfg")], env=env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
 
 
 def compose_cli() -> list[str] | None:
@@ -156,7 +219,7 @@ def compose_cli() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("profiles", [[], ["monitoring"], ["gpu"], ["monitoring", "gpu"]])
+@pytest.mark.parametrize("profiles", [[], ["monitoring"], ["gpu"], ["monitoring", "gpu"], ["replicas"]])
 def test_compose_config_is_valid(profiles):
     cli = compose_cli()
     if cli is None:
@@ -166,15 +229,18 @@ def test_compose_config_is_valid(profiles):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     expect = {"triton"} | ({"prometheus", "grafana"} if "monitoring" in profiles else set()) \
-        | ({"triton-gpu"} if "gpu" in profiles else set())
+        | ({"triton-gpu"} if "gpu" in profiles else set()) \
+        | ({"replica-1", "replica-2", "lb"} if "replicas" in profiles else set())
     assert set(r.stdout.split()) == expect
 
 
 def test_fragments_override_mounts_read_only():
-    svc = yaml.safe_load((DOCKER / "compose.fragments.yaml").read_text())["services"]["triton"]
-    (mount,) = svc["volumes"]
-    assert mount.startswith("${MORPHSERVE_FRAGMENTS_DIR:?")
-    assert mount.endswith(":/opt/morphserve/model_repository/smollm2/1/fragments:ro")
+    services = yaml.safe_load((DOCKER / "compose.fragments.yaml").read_text())["services"]
+    assert set(services) == {"triton", "replica-1", "replica-2"}
+    for svc in services.values():
+        (mount,) = svc["volumes"]
+        assert mount.startswith("${MORPHSERVE_FRAGMENTS_DIR:?")
+        assert mount.endswith(":/opt/morphserve/model_repository/smollm2/1/fragments:ro")
 
 
 def test_prometheus_config():
