@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from trtllm_backend.openai.app import GatewayConfig, create_app
 from trtllm_backend.openai.triton_client import triton_error
-from trtllm_backend.serve import free_ports
+from trtllm_backend.triton.server import free_ports
 
 FRAGMENTS = ROOT / "model_repository" / "smollm2" / "1" / "fragments"
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -1,0 +1,251 @@
+"""The OpenAI gateway against a real tritonserver serving the real engine (no mocks): the official `openai`
+client (sync and streaming, chat and completions), curl for SSE, 16 concurrent streaming chats against the
+engine's greedy output, exact usage, stop/length, penalties and seed reaching the model, cancellation on
+client disconnect, bad input over the wire, the queue cap as a 503, the API key, the gateway's metrics."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from conftest import ROOT
+from test_triton_server import (NEAR_TIE, corpus_prompts, inputs, metrics, offline_engine, offline_greedy,  # noqa: F401
+                                stream_generate, wait_for)
+
+from trtllm_backend.openai.process import start_gateway
+from trtllm_backend.openai.template import ChatTemplate
+from trtllm_backend.triton.server import free_ports
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+KEY = "test-key"
+FRAGMENTS = ROOT / "model_repository" / "smollm2" / "1" / "fragments"
+KV_USED = 'morphserve_kv_cache_blocks{type="used"}'
+
+
+@pytest.fixture(scope="module")
+def gateway(triton_server, tmp_path_factory):
+    log = tmp_path_factory.mktemp("openai") / "gateway.log"
+    handle = start_gateway(triton_server.grpc_url, free_ports(1)[0], log_path=log, api_key=KEY)
+    try:
+        yield handle
+    finally:
+        # uvicorn shuts down gracefully on SIGTERM, then re-raises it: -SIGTERM is a clean exit.
+        assert handle.stop() in (0, -signal.SIGTERM) and "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.fixture
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def rendered(text: str) -> str:
+    return ChatTemplate.from_fragments(FRAGMENTS).render(chat(text))
+
+
+def gateway_metric(gateway, prefix: str) -> float:
+    text = httpx.get(f"{gateway.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+# --- the basics with the official client -------------------------------------------------------------------------
+def test_completion_sync_and_stream_match_triton(client, triton_server):
+    direct = stream_generate(triton_server.grpc_url, "The capital of France is", 6)
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6)
+    assert done.choices[0].text == direct.text and done.choices[0].text.startswith(" Paris")
+    assert done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (5, 6, 11)
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_chat_sync_and_stream_with_exact_usage(client, offline_engine):
+    prompt_ids = offline_engine.tokenizer.encode(rendered("What is the capital of France?"))
+    done = client.chat.completions.create(model=MODEL, messages=chat("What is the capital of France?"),
+                                          max_completion_tokens=12)
+    message = done.choices[0].message
+    assert message.role == "assistant" and "Paris" in message.content
+    assert done.usage.prompt_tokens == len(prompt_ids)
+    # The engine's count: a natural stop's end-of-sequence token is generated, so it counts (as in vLLM).
+    if done.choices[0].finish_reason == "stop":
+        assert done.usage.completion_tokens == len(offline_engine.tokenizer.encode(message.content)) + 1
+    else:
+        assert done.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat("What is the capital of France?"),
+                                                 max_completion_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == done.choices[0].finish_reason
+    assert chunks[-1].usage.model_dump() == done.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_natural_end_is_stop_and_a_stop_string_is_cut(client):
+    done = client.chat.completions.create(model=MODEL, messages=chat("Say just the word: yes"), max_tokens=64)
+    assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens < 64
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16, stop=[" city", "."])
+    assert cut.choices[0].finish_reason == "stop" and "." not in cut.choices[0].text and " city" not in cut.choices[0].text
+
+
+def test_penalties_and_seed_reach_the_model(client, triton_server):
+    prompt = "List: apple, apple, apple, apple, apple,"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
+    penalized = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, frequency_penalty=2.0,
+                                          presence_penalty=1.0)
+    assert plain.choices[0].text != penalized.choices[0].text
+    assert penalized.choices[0].text.count("apple") < plain.choices[0].text.count("apple")
+    sampled = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                         seed=seed).choices[0].text for seed in (11, 11, 12)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    # The Triton model takes Triton's OpenAI-frontend inputs directly too (seed, the penalties).
+    a = stream_generate_with(triton_server, prompt, seed=11)
+    assert a.error is None and a.text
+
+
+def stream_generate_with(triton_server, prompt: str, **extra):
+    from test_triton_server import GrpcStream, tensor
+
+    s = GrpcStream(triton_server.grpc_url)
+    try:
+        extra_tensors = [tensor("seed", v, "UINT64") if k == "seed" else tensor(k, v, "FP32") for k, v in extra.items()]
+        return s.request(inputs(text_input=prompt, max_tokens=4, stream=True) + extra_tensors)
+    finally:
+        s.close()
+
+
+def test_curl_sees_standard_sse(gateway):
+    body = json.dumps({"model": MODEL, "messages": chat("Hi"), "max_tokens": 4, "stream": True})
+    out = subprocess.run(["curl", "-sN", f"{gateway.url}/v1/chat/completions", "-H", f"Authorization: Bearer {KEY}",
+                          "-H", "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = [e for e in out.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and chunks[-1]["choices"][0]["finish_reason"]
+
+
+# --- 16 concurrent streaming chats vs. the engine's greedy output ------------------------------------------------
+def assert_text_matches_greedy(served: str, offline: list[str], gaps: list[float], prompt: str) -> None:
+    """Equal, or parted only after a near tie of the lone run (the near-tie rule of the Triton tests)."""
+    for k in range(len(offline)):
+        if not served.startswith("".join(offline[: k + 1])):
+            window = gaps[max(0, k - 3): k + 1]
+            assert window and min(window) < NEAR_TIE, (
+                f"gateway and offline greedy differ at token {k} without a near tie (gaps {window})\n"
+                f"prompt: {prompt!r}\nserved:  {served!r}\noffline: {''.join(offline)!r}")
+            return
+    assert served == "".join(offline)
+
+
+def test_sixteen_concurrent_streaming_chats_match_greedy(client, offline_engine):
+    questions = corpus_prompts(16)
+    max_tokens = 8
+
+    def run(q: str) -> str:
+        stream = client.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=max_tokens, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ThreadPoolExecutor(16) as pool:
+        served = list(pool.map(run, questions))
+    for q, text in zip(questions, served):
+        offline, gaps = offline_greedy(offline_engine, rendered(q), max_tokens)
+        assert_text_matches_greedy(text, offline, gaps, q)
+
+
+# --- cancellation -------------------------------------------------------------------------------------------------
+def test_a_client_that_disconnects_mid_stream_cancels_its_request(gateway, triton_server):
+    cancelled = 'morphserve_requests_total{status="cancelled"}'
+    before, gone_before = metrics(triton_server)[cancelled], gateway_metric(gateway, "openai_gateway_client_disconnects_total")
+    body = {"model": MODEL, "messages": chat("Tell me a very long story."), "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert wait_for(lambda: metrics(triton_server)[KV_USED] > 0)
+    # The connection is closed: the request is aborted and its blocks return.
+    assert wait_for(lambda: metrics(triton_server)[KV_USED] == 0, timeout=5)
+    assert wait_for(lambda: metrics(triton_server)[cancelled] == before + 1, timeout=5)
+    assert gateway_metric(gateway, "openai_gateway_client_disconnects_total") == gone_before + 1
+
+
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(gateway, triton_server):
+    cancelled = 'morphserve_requests_total{status="cancelled"}'
+    before = metrics(triton_server)[cancelled]
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1000}  # counting goes on and on
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
+    assert wait_for(lambda: metrics(triton_server)[cancelled] == before + 1, timeout=5)
+    assert wait_for(lambda: metrics(triton_server)[KV_USED] == 0, timeout=5)
+
+
+# --- errors -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": 3.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"frequency_penalty": 5.0}, "frequency_penalty"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"extra_body": {"bogus": 1}}, "bogus"),
+    ({"messages": chat("word " * 3000)}, "messages"),  # longer than the test server's KV cache
+    ({"max_tokens": 100000}, "max_tokens"),  # more than the model context
+])
+def test_bad_input_is_a_400_naming_the_field_and_the_server_carries_on(client, kwargs, param):
+    args = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2} | kwargs
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unknown_model_and_missing_key(client, gateway):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=chat("hi"))
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_a_full_queue_is_a_503_and_running_requests_continue(gateway, triton_server):
+    # The test server runs 16 and queues 20: 40 long requests at once overflow it.
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 64}
+        r = httpx.post(f"{gateway.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=300)
+        with lock:
+            results.append(r.status_code)
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "queue_full"
+
+    with ThreadPoolExecutor(40) as pool:
+        list(pool.map(one, range(40)))
+    assert 503 in results and results.count(200) >= 16 and set(results) <= {200, 503}, results
+    assert wait_for(lambda: metrics(triton_server)[KV_USED] == 0, timeout=10)
+
+
+def test_gateway_metrics(gateway, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    text = httpx.get(f"{gateway.url}/metrics").text
+    assert 'openai_gateway_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'openai_gateway_time_to_first_token_seconds_count{endpoint="/v1/completions"}' in text
+    assert gateway_metric(gateway, "openai_gateway_requests_in_flight") == 0
+    assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}
