@@ -272,7 +272,8 @@ class LLMEngine:
             if self.on_logits is not None:
                 for r, req in enumerate(samplers):
                     self.on_logits(req.request_id, logits[r])
-            tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers])
+            tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers],
+                            [r.output_ids if r.params.penalized else [] for r in samplers])
             int4 = self.num_quantized_layers()
             now = time.monotonic()
             for req, tok in zip(samplers, tokens):
