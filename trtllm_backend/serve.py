@@ -13,6 +13,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from .triton.params import ParamError, parse_assignment
 # Re-exported: `from trtllm_backend import serve; serve.launch(...)` is the documented Python entry point.
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-build-fragments", action="store_true")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
+    ap.add_argument("--openai-port", type=int, default=None,
+                    help="also start the OpenAI-compatible gateway (python -m trtllm_backend.openai) on this port")
     args = ap.parse_args(argv)
     try:
         overrides = dict(parse_assignment(a) for a in args.param)
@@ -61,9 +64,25 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the server drains on SIGTERM; Ctrl-C means the same
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    gateway = None
+    if args.openai_port:
+        from .openai.process import start_gateway
+
+        fragments = Path(args.model_repository) / args.model / "1" / "fragments"
+        try:
+            gateway = start_gateway(f"localhost:{handle.grpc_port}", args.openai_port, host="0.0.0.0",
+                                    extra_args=("--model", args.model, "--fragments", str(fragments)))
+        except RuntimeError as exc:
+            print(f"[serve] error: {exc}", file=sys.stderr)
+            handle.stop()
+            return 2
     _print_endpoints(handle)
+    if gateway is not None:
+        print(f"  OpenAI   http://localhost:{gateway.port}/v1   (chat/completions, completions, models)", flush=True)
     while handle.alive() and not stop.wait(0.5):
         pass
+    if gateway is not None:
+        gateway.stop()
     code = handle.stop()
     return 1 if handle.stub_died else code
 

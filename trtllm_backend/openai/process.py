@@ -34,14 +34,14 @@ class GatewayProcess:
 
 
 def start_gateway(triton_grpc: str, port: int, log_path: Path | None = None, api_key: str | None = None,
-                  extra_args: tuple[str, ...] = (), ready_timeout: float = 60.0) -> GatewayProcess:
+                  extra_args: tuple[str, ...] = (), ready_timeout: float = 60.0, host: str = "127.0.0.1") -> GatewayProcess:
     """`python -m trtllm_backend.openai` on `port`, returned once /health answers 200 (Triton and model ready)."""
-    cmd = [sys.executable, "-m", "trtllm_backend.openai", "--triton", triton_grpc, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "trtllm_backend.openai", "--triton", triton_grpc, "--host", host,
            "--port", str(port), *extra_args]
     env = dict(os.environ)
     if api_key:
         env["OPENAI_GATEWAY_API_KEY"] = api_key  # not on the command line, where ps would show it
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    out = open(log_path, "ab") if log_path else None  # None: the caller's stdout (the launcher's terminal)
     try:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     finally:
