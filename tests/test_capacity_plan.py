@@ -1,0 +1,73 @@
+"""The plan's resumability (tools/capacity/plan.py, store.py): stored probes are read, not run again; --force
+runs them again; a probe file is written whole or not at all."""
+import json
+
+import pytest
+
+from tests.capacity_fixtures import put
+from tools.capacity import store
+from tools.capacity.plan import Plan
+from tools.capacity.traffic import KINDS
+
+
+class ServerWanted(Exception):
+    pass
+
+
+def no_server(policy):
+    raise ServerWanted(policy)
+
+
+def plan(tmp_path, force=False):
+    return Plan([KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4, force=force)
+
+
+def stored_search(tmp_path):
+    # full passes at x0.3 and fails at x0.45 and x0.3674; balanced passes at 0.3 and 0.45, fails at 0.675, 0.5511
+    for policy, rate, good in [("full", 0.3, 95), ("full", 0.45, 50), ("full", 0.3674, 80),
+                               ("balanced", 0.3, 100), ("balanced", 0.45, 95), ("balanced", 0.675, 40),
+                               ("balanced", 0.5511, 85)]:
+        put(tmp_path, "conv", 256, policy, 0, rate, 100, good)
+
+
+def test_a_rerun_reads_every_stored_probe_and_starts_no_server(tmp_path, capsys):
+    stored_search(tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in store.stored(tmp_path)}
+    plan(tmp_path)._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+    out = capsys.readouterr().out
+    assert "full: capacity x0.3 (converged" in out and "balanced: capacity x0.45 (converged" in out
+    assert out.count("(stored)") == 7
+    assert {p: p.stat().st_mtime_ns for p in store.stored(tmp_path)} == before
+
+
+def test_a_missing_probe_is_run(tmp_path):
+    stored_search(tmp_path)
+    store.ProbeKey("conv", 256, "balanced", 0, 0.5511).path(tmp_path).unlink()
+    with pytest.raises(ServerWanted, match="balanced"):
+        plan(tmp_path)._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+
+
+def test_force_runs_stored_probes_again(tmp_path):
+    stored_search(tmp_path)
+    with pytest.raises(ServerWanted, match="full"):
+        plan(tmp_path, force=True)._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+
+
+def test_store_layout_and_no_half_files(tmp_path):
+    path = put(tmp_path, "conv", 512, "int4:10", 2, 0.25, 10, 10)
+    assert path.relative_to(tmp_path).as_posix() == "raw/conv/pool512/int4-10/seed2/x0.25.json"
+    assert not list(tmp_path.rglob("*.tmp"))
+    data = json.loads(path.read_text())
+    assert data["policy"] == "int4:10" and data["probe"]["rate"] == 0.25 and len(data["records"]) == 10
+
+
+def test_a_pool_too_small_for_one_request_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="cannot hold one conv request"):
+        Plan([KINDS["conv"]], [128], ["full"], [0], tmp_path)
+
+
+def test_not_a_probe_file(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"records": []}))
+    with pytest.raises(ValueError, match="not a capacity probe file"):
+        store.load_probe(bad)

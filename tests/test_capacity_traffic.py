@@ -1,0 +1,48 @@
+"""Traffic kinds (tools/capacity/traffic.py): the rate scale sets the speed of one fixed set of requests."""
+import pytest
+
+from tools.capacity.traffic import KINDS, kinds
+from tools.replay.paths import repo_path
+
+
+@pytest.fixture(params=sorted(KINDS))
+def kind(request):
+    k = KINDS[request.param]
+    if not repo_path(k.trace).exists():
+        pytest.skip(f"{k.trace} not present")
+    return k
+
+
+def test_rate_scale_changes_only_the_spacing(kind):
+    slow, s1 = kind.requests(kind.start_rate_scale, 0)
+    fast, s2 = kind.requests(2 * kind.start_rate_scale, 0)
+    assert len(slow) >= kind.min_requests
+    assert [(r.prompt_tokens, r.output_tokens) for r in slow] == [(r.prompt_tokens, r.output_tokens) for r in fast]
+    assert fast[-1].arrival_s == pytest.approx(slow[-1].arrival_s / 2)
+    assert s2.duration_s == pytest.approx(s1.duration_s / 2)
+    assert f"time x{2 * kind.start_rate_scale / kind.thin:g}" in s2.describe()  # the scaling is printed
+
+
+def test_seeds_thin_differently(kind):
+    a, _ = kind.requests(kind.start_rate_scale, 0)
+    b, _ = kind.requests(kind.start_rate_scale, 1)
+    assert a != b
+
+
+def test_every_request_fits_the_smallest_pool(kind):
+    reqs, _ = kind.requests(kind.start_rate_scale, 0)
+    assert max(r.prompt_tokens + r.output_tokens for r in reqs) <= kind.max_tokens() <= 256
+
+
+def test_a_variant_is_named_apart_and_checked(kind):
+    v = kind.variant(kind.thin / 2, 50)
+    assert v.name != kind.name and v.thin == kind.thin / 2
+    with pytest.raises(ValueError, match="fewer than"):
+        kind.variant(kind.thin / 100, 200).requests(kind.start_rate_scale, 0)
+
+
+def test_unknown_kind_and_bad_rate():
+    with pytest.raises(ValueError, match="unknown traffic kind 'chat'"):
+        kinds("conv,chat")
+    with pytest.raises(ValueError, match="rate scale must be > 0"):
+        KINDS["conv"].shaping(0.0, 0)

@@ -1,0 +1,93 @@
+"""The measurement plan: for each traffic kind and KV pool size, for each seed, one bisection per policy,
+stepped in turn (a probe of every policy at the same seed back to back, so the machine's load drift hits all
+alike). Servers are started only when a probe must run, one per policy, and kept for the (traffic, pool);
+between probes each is left to go idle (and a dynamic one to restore its layers)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.capacity import store
+from tools.capacity.probe import run_probe
+from tools.capacity.search import Bisection
+from tools.capacity.slo import Slos
+from tools.capacity.traffic import Traffic
+from tools.replay.paths import REPO_ROOT
+from tools.replay.prompts import DEFAULT_CORPUS, DEFAULT_FRAGMENTS, PromptSource, load_tokenizer
+from tools.replay.servers import DYNAMIC, Server, wait_idle
+from tools.replay.settings import DEFAULT_PARAMS
+
+# The replay comparison's server settings, with a queue longer than any probe (a rejection is a miss anyway).
+BASE_PARAMS = {**DEFAULT_PARAMS, "max_queue_size": "1024"}
+
+
+@dataclass
+class Plan:
+    traffic: list[Traffic]
+    pools: list[int]
+    policies: list[str]
+    seeds: list[int]
+    out: Path
+    params: dict[str, str] = field(default_factory=dict)  # --param overrides
+    slos: Slos = field(default_factory=Slos)
+    precision: float = 0.05
+    max_probes: int = 12
+    force: bool = False
+    progress: bool = False
+
+    def __post_init__(self):
+        for t in self.traffic:
+            small = [p for p in self.pools if p < t.max_tokens()]
+            if small:
+                raise ValueError(f"pool(s) {small} cannot hold one {t.name} request of up to {t.max_tokens()} tokens")
+
+    def server_params(self, pool: int) -> dict[str, str]:
+        return {**BASE_PARAMS, **self.params, "max_tokens_in_paged_kv_cache": str(pool)}
+
+    def run(self) -> None:
+        prompts = PromptSource(load_tokenizer(DEFAULT_FRAGMENTS), DEFAULT_CORPUS)
+        for traffic in self.traffic:
+            print(f"[capacity] traffic {traffic.describe()}", flush=True)
+            for pool in self.pools:
+                with contextlib.ExitStack() as stack:
+                    servers: dict[str, object] = {}
+
+                    def server(policy: str):
+                        if policy not in servers:
+                            servers[policy] = stack.enter_context(Server(
+                                policy, self.server_params(pool), REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}"))
+                        else:
+                            wait_idle(servers[policy].metrics_url, policy in DYNAMIC)
+                        return servers[policy]
+
+                    self._run_pool(traffic, pool, server, prompts)
+
+    def _run_pool(self, traffic: Traffic, pool: int, server, prompts) -> None:
+        start = {p: traffic.start_rate_scale for p in self.policies}
+        for seed in self.seeds:
+            searches = {p: Bisection(start[p], self.precision, max_probes=self.max_probes) for p in self.policies}
+            while not all(s.done for s in searches.values()):
+                for policy, search in searches.items():  # one step of each policy, back to back
+                    rate = search.next_rate()
+                    if rate is None:
+                        continue
+                    key = store.ProbeKey(traffic.name, pool, policy, seed, rate)
+                    path = key.path(self.out)
+                    if path.exists() and not self.force:
+                        probe = store.load_probe(path)
+                        how = "stored"
+                    else:
+                        res, probe = run_probe(traffic, rate, seed, server(policy), prompts, self.slos, self.progress)
+                        probe["server_params"] = self.server_params(pool)
+                        store.save(self.out, key, res, probe)
+                        how = f"ran {probe['wall_s']:.0f} s, load {probe['load_avg_1m'][0]:.1f}->{probe['load_avg_1m'][1]:.1f}"
+                    search.record(rate, probe["attained"])
+                    print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy:>11} x{rate:g}: "
+                          f"{probe['requests']} req at {probe['offered_req_s']:.2f} req/s, attainment "
+                          f"{probe['attainment']:.1%} -> {'pass' if probe['attained'] else 'fail'} ({how})", flush=True)
+            for policy, search in searches.items():
+                print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy}: capacity x{search.capacity} "
+                      f"({search.status}, {len(search.probes)} probes)", flush=True)
+                if search.capacity:  # the next seed starts where this one ended: fewer bracketing probes
+                    start[policy] = search.capacity

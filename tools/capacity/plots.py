@@ -1,0 +1,87 @@
+"""PNGs of a capacity measurement: attainment against rate per policy, the regime map (capacity ratio to full
+against the KV pool size) and the frontier (capacity against time-weighted quality loss)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tools.capacity.slo import TARGET_ATTAINMENT  # noqa: E402
+
+
+def _err(interval):
+    """(mean, [[below], [above]]) for errorbar; an unbounded side is drawn as no bar."""
+    m = interval.mean
+    return m, [[m - interval.lo if interval.lo is not None else 0], [interval.hi - m if interval.hi is not None else 0]]
+
+
+def attainment(path: Path, title: str, results: dict) -> None:
+    """Every probe: attainment against rate scale, one colour per policy, one marker per seed."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    markers = "os^vD<>"
+    for i, (policy, res) in enumerate(results.items()):
+        colour = f"C{i}"
+        for j, s in enumerate(res.seeds):
+            pts = sorted((p["rate"], p["attainment"]) for p in s.probes)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker=markers[j % len(markers)], color=colour,
+                    alpha=0.8, label=policy if j == 0 else None)
+        if res.capacity:
+            ax.axvline(res.capacity.mean, color=colour, ls=":", lw=1)
+    ax.axhline(TARGET_ATTAINMENT, color="k", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("rate scale (x the trace's arrival rate)")
+    ax.set_ylabel("SLO attainment")
+    ax.set_title(title + " (dotted: mean capacity; markers: seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def regime_map(path: Path, analysis: dict, policies: list[str]) -> None:
+    """Capacity ratio to full against pool size, one panel per traffic kind."""
+    traffic = sorted({t for t, _ in analysis})
+    fig, axes = plt.subplots(1, len(traffic), figsize=(6 * len(traffic), 4.2), squeeze=False)
+    for ax, t in zip(axes[0], traffic):
+        for i, policy in enumerate(p for p in policies if p != "full"):
+            pts = [(pool, cell[policy].ratio) for (tt, pool), cell in sorted(analysis.items())
+                   if tt == t and policy in cell and cell[policy].ratio]
+            if not pts:
+                continue
+            xs = [p for p, _ in pts]
+            ys, errs = zip(*(_err(r) for _, r in pts))
+            ax.errorbar(xs, ys, yerr=[[e[0][0] for e in errs], [e[1][0] for e in errs]], marker="o", capsize=3,
+                        color=f"C{i + 1}", label=policy)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV pool at full precision (tokens)")
+        ax.set_ylabel("capacity / full's (95% CI)")
+        ax.set_title(f"regime map: {t}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def frontier(path: Path, title: str, results: dict) -> None:
+    """Capacity (rate scale) against time-weighted perplexity loss at that capacity, each policy one point."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (policy, res) in enumerate(results.items()):
+        if not res.capacity or not res.quality_loss or math.isnan(res.quality_loss.mean):
+            continue
+        y, yerr = _err(res.capacity)
+        x, xerr = _err(res.quality_loss)
+        ax.errorbar([100 * x], [y], xerr=[[100 * e for e in xerr[0]], [100 * e for e in xerr[1]]], yerr=yerr,
+                    marker="o", capsize=3, color=f"C{i}", label=policy)
+        ax.annotate(policy, (100 * x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("time-weighted perplexity loss at capacity (%)")
+    ax.set_ylabel("capacity (rate scale, 95% CI)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

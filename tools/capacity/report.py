@@ -1,0 +1,150 @@
+"""The capacity report: report.md (command, commits, SLOs, method, one table per traffic kind and pool, the
+targets, every probe with its time and machine load), capacity.json (the figures as numbers) and the plots,
+rebuilt from the stored probes alone. A notes.md in the folder (a reading of the results) is appended."""
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tools.capacity import plots, store
+from tools.capacity.analysis import REFERENCE, PolicyResult, analyse
+from tools.capacity.slo import SENSITIVITY, TARGET_ATTAINMENT
+from tools.capacity.stats import CONFIDENCE
+from tools.replay import metrics as rm
+from tools.replay import plots as replay_plots
+from tools.replay.paths import shown
+from tools.replay.quality import load_quality
+from tools.replay.servers import slug
+
+TARGET_RATIO, TARGET_RATIO_LO = 1.8, 1.5  # issue 12, balanced vs full on decode-heavy traffic where KV binds
+
+METHOD = (f"Capacity = the highest rate scale at which at least {TARGET_ATTAINMENT:.0%} of the requests sent meet "
+          "both SLOs (rejected, failed and unfinished requests miss), found per seed by bisection (bracket by x1.5 "
+          "steps, then geometric midpoints until the failing rate is within the precision of the passing one). "
+          "Each seed thins the trace window differently and replays the same requests at every rate, faster or "
+          f"slower. Mean over seeds with a {CONFIDENCE:.0%} Student-t interval; the ratio to `full` is the ratio "
+          "of mean capacities over the seeds both have, with Fieller's interval for paired samples (unbounded, "
+          "shown as ?, when the denominator is not significantly above zero or there are fewer than 2 seeds).")
+
+
+def _f(x, fmt="{:.2f}"):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _mean(nums: list[dict], key: str) -> float:
+    vals = [n[key] for n in nums if not (isinstance(n[key], float) and math.isnan(n[key]))]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def policy_row(r: PolicyResult) -> str:
+    seeds = ", ".join(f"{s.seed}: {_f(s.capacity, '{:g}')}" + (f" (<{s.failed_above:g})" if s.failed_above else " (no fail)")
+                      for s in r.seeds)
+    n = r.at_capacity
+    sens = " / ".join(_f(_mean([{"v": x["sensitivity"].get(f"{f:g}", math.nan)} for x in n], "v"), "{:.0%}")
+                      for f in SENSITIVITY) if n else "n/a"
+    return (f"| {r.policy} | {r.capacity.fmt() if r.capacity else 'none passed'} | {r.req_s.fmt() if r.req_s else 'n/a'} "
+            f"| {r.ratio.fmt() if r.ratio else 'n/a'} | {seeds} "
+            f"| {_f(_mean(n, 'decode_batch_mean'), '{:.1f}')} / {_f(_mean(n, 'decode_batch_max'), '{:.0f}')} "
+            f"| {_f(_mean(n, 'kv_usage_mean'), '{:.0%}')} | {_f(_mean(n, 'kv_peak_x'), 'x{:.1f}')} "
+            f"| {_f(_mean(n, 'int4_layers_mean'), '{:.1f}')} | {_f(_mean(n, 'prompt_token_share'), '{:.0%}')} "
+            f"| {_f(_mean(n, 'ttft_p95'))} / {_f(_mean(n, 'tpot_p95'), '{:.3f}')} | {sens} "
+            f"| {r.quality_loss.fmt() if r.quality_loss else 'n/a'} |")
+
+
+HEADER = ("| policy | capacity (rate scale, mean [95% CI]) | req/s at capacity | ratio to full [95% CI] "
+          "| per seed: capacity (lowest failing) | at capacity: decode batch mean / max | KV usage (busy) "
+          "| peak KV (x full) | INT4 layers / token | prompt share of tokens | P95 TTFT (s) / P95 TPOT (s) "
+          f"| attainment at SLO x{SENSITIVITY[0]:g} / x{SENSITIVITY[1]:g} | quality loss (ppl, mean [CI]) |\n"
+          + "|---" * 13 + "|")
+
+
+def targets(cell: dict[str, PolicyResult]) -> list[str]:
+    b = cell.get("balanced")
+    if not b or not b.ratio:
+        return ["- balanced vs full: not measured in this cell"]
+    lo = b.ratio.lo
+    met = b.ratio.mean >= TARGET_RATIO and lo is not None and lo >= TARGET_RATIO_LO
+    return [f"- capacity balanced / full: {b.ratio.fmt()} (target >= {TARGET_RATIO}x with the 95% interval's lower "
+            f"end >= {TARGET_RATIO_LO}x): **{'met' if met else 'missed'}**"]
+
+
+def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -> None:
+    quality, qnote = load_quality(quality_path)
+    result = analyse(out, quality)
+    probes = [store.load_probe(p) for p in store.stored(out)]
+    if not probes:
+        raise SystemExit(f"no stored probes under {shown(out)}/raw: nothing to report")
+    commits = sorted({p["commit"] for p in probes})
+    dirty = sorted({d for p in probes for d in p.get("dirty", [])})
+    slo = probes[0]["slo"]
+    if any(p["slo"] != slo for p in probes):
+        raise SystemExit("stored probes were judged by different SLOs; rerun them (--force) or move them away")
+    params = {json.dumps(p.get("server_params", {}), sort_keys=True) for p in probes}
+    policies = list(dict.fromkeys(p["policy"] for p in sorted(probes, key=lambda p: p["started_utc"])))
+    measured = (out / "commands.txt").read_text().splitlines() if (out / "commands.txt").exists() else []
+    lines = ["# Capacity by search", "", "```bash", *(measured or ["# (measuring commands not recorded)"]),
+             f"# this report: {command}", "```", "",
+             f"- report built {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from {len(probes)} stored probes, run "
+             f"{min(p['started_utc'] for p in probes)} to {max(p['started_utc'] for p in probes)} UTC on commit(s) "
+             f"{', '.join(commits)}" + (f"; served paths differing from the commit when probes ran: {', '.join(dirty)}"
+                                       if dirty else ""),
+             f"- SLOs (fixed, tools/capacity/slo.py): TTFT {slo['ttft_s']:g} s, TPOT {slo['tpot_s']:g} s; a rate is served "
+             f"at attainment >= {slo['target_attainment']:.0%}",
+             f"- method: {METHOD}",
+             f"- machine: {probes[0]['cpus']} CPUs shared with other work; 1-min load average over all probes "
+             f"{min(min(p['load_avg_1m']) for p in probes):.1f}-{max(max(p['load_avg_1m']) for p in probes):.1f} "
+             "(each probe's is in the probe log below)",
+             "- server settings: " + " | ".join(", ".join(f"`{k}={v}`" for k, v in sorted(json.loads(s).items()))
+                                                for s in sorted(params)) + " (pool size per cell)",
+             f"- {qnote}", ""]
+    cells = []
+    for (traffic, pool), cell in sorted(result.items()):
+        ordered = {p: cell[p] for p in policies if p in cell}
+        lines += [f"## {traffic}, KV pool {pool} tokens", ""]
+        example = next((p for p in probes if p["traffic"] == traffic and p["pool"] == pool), None)
+        if example:
+            lines += [f"Traffic: {example['traffic_described']}.", ""]
+            lines += ["Workload at one probe (as printed by the replay):", "", "```", example["workload"], "```", ""]
+        lines += [HEADER] + [policy_row(r) for r in ordered.values()] + [""]
+        if traffic.startswith("conv"):
+            lines += ["Targets (issue 12, decode-heavy):", ""] + targets(cell) + [""]
+        name = f"{traffic}_pool{pool}"
+        plots.attainment(out / f"attainment_{name}.png", f"{traffic}, pool {pool}", ordered)
+        lines += [f"![attainment](attainment_{name}.png)", ""]
+        if quality:
+            plots.frontier(out / f"frontier_{name}.png", f"frontier: {traffic}, pool {pool}", ordered)
+            lines += [f"![frontier](frontier_{name}.png)", ""]
+        for policy in (REFERENCE, "balanced"):  # the timelines behind the explanation: first seed, at capacity
+            r = cell.get(policy)
+            s = next((s for s in r.seeds if s.at_capacity), None) if r else None
+            if s:
+                probe, res = store.load_result(s.at_capacity)
+                png = f"timeline_{name}_{slug(policy)}.png"
+                replay_plots.timeline(out / png, f"{policy} at x{s.capacity:g} (seed {s.seed})", res,
+                                      rm.Slo(probe["slo"]["ttft_s"], probe["slo"]["tpot_s"]), probe["window_s"])
+                lines += [f"![{policy} timeline]({png})", ""]
+        cells.append({"traffic": traffic, "pool_tokens": pool,
+                      "policies": {p: r.as_dict() for p, r in ordered.items()}})
+    pools = {pool for _, pool in result}
+    if len(pools) > 1:
+        plots.regime_map(out / "regime_map.png", result, policies)
+        lines += ["## Regime map", "", "![regime map](regime_map.png)", ""]
+    else:
+        lines += ["## Regime map", "", f"Only pool {sorted(pools)} measured so far: no map yet.", ""]
+    lines += ["## Probe log", "", "| traffic | pool | policy | seed | rate scale | requests | offered req/s | attainment "
+              "| verdict | started (UTC) | load 1-min start -> end | wall (s) | commit |", "|---" * 13 + "|"]
+    for p in sorted(probes, key=lambda p: p["started_utc"]):
+        lines.append(f"| {p['traffic']} | {p['pool']} | {p['policy']} | {p['seed']} | {p['rate']:g} | {p['requests']} "
+                     f"| {p['offered_req_s']:.2f} | {p['attainment']:.1%} | {'pass' if p['attained'] else 'fail'} "
+                     f"| {p['started_utc']} | {p['load_avg_1m'][0]:.1f} -> {p['load_avg_1m'][1]:.1f} | {p['wall_s']:.0f} "
+                     f"| {p['commit']}{'+dirty' if p.get('dirty') else ''} |")
+    notes = out / "notes.md"
+    if notes.exists():
+        lines += ["", "## Notes", "", notes.read_text().strip()]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"slo": slo, "method": METHOD, "commits": commits, "dirty_paths": dirty,
+                                     "report": shown(out / "report.md"), "cells": cells}, indent=1, default=float))
+    print(f"[capacity] wrote {shown(out / 'report.md')} and {shown(json_path)}", flush=True)

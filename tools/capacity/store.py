@@ -1,0 +1,59 @@
+"""One probe's raw result on disk, one JSON file per (traffic, pool, policy, seed, rate scale):
+
+    <out>/raw/<traffic>/pool<tokens>/<policy>/seed<n>/x<rate>.json
+
+holding every request's record and the server's metrics over time (tools.replay.result's raw format) plus a
+`probe` block: the key, the verdict, the SLOs, when, on which commit, at what machine load. A plan run skips
+a probe whose file exists (resumable); --force runs it again and overwrites it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tools.replay.result import ReplayResult, load_raw, save_raw
+from tools.replay.servers import slug
+
+
+@dataclass(slots=True, frozen=True, order=True)
+class ProbeKey:
+    traffic: str
+    pool: int  # max_tokens_in_paged_kv_cache
+    policy: str
+    seed: int
+    rate: float  # rate scale, 4 significant digits (search.round_rate)
+
+    def path(self, root: Path) -> Path:
+        return (root / "raw" / self.traffic / f"pool{self.pool}" / slug(self.policy) / f"seed{self.seed}"
+                / f"x{self.rate:g}.json")
+
+
+def save(root: Path, key: ProbeKey, result: ReplayResult, probe: dict) -> Path:
+    """Write atomically (a killed run leaves no half file that a rerun would take as done)."""
+    path = key.path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_raw(tmp, key.policy, result)
+    data = json.loads(tmp.read_text())
+    data["probe"] = {**asdict(key), **probe}
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return path
+
+
+def load_probe(path: Path) -> dict:
+    """The `probe` block alone (cheap enough for planning: the records are parsed but not kept)."""
+    data = json.loads(path.read_text())
+    if "probe" not in data:
+        raise ValueError(f"{path}: not a capacity probe file (no 'probe' block)")
+    return data["probe"]
+
+
+def load_result(path: Path) -> tuple[dict, ReplayResult]:
+    _, result = load_raw(path)
+    return load_probe(path), result
+
+
+def stored(root: Path) -> list[Path]:
+    return sorted((root / "raw").glob("*/pool*/*/seed*/x*.json"))

@@ -1,0 +1,99 @@
+"""The traffic kinds capacity is measured on: a window of a real Azure 2023 trace, thinned to a fixed set of
+requests, with lengths scaled explicitly; the arrival rate is varied by playing that window faster.
+
+The search variable is the *rate scale* x: the arrival rate as a multiple of the trace's own. A kind thins its
+window once (keep each request with probability `thin`, seeded) and plays it `x / thin` times faster, so every
+probe of one seed replays the same requests (at least `min_requests`) and only their spacing changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tools.replay.paths import repo_path
+from tools.replay.traces import Shaping, TraceRequest, read_trace
+
+TRACES = "../shared/data/traces"
+
+
+@dataclass(slots=True, frozen=True)
+class Traffic:
+    name: str
+    trace: str  # relative to the repository root
+    what: str
+    window_start_s: float
+    window_s: float
+    thin: float  # share of the window's requests kept (seeded)
+    prompt_scale: float
+    prompt_clip: tuple[int, int]
+    output_scale: float
+    output_clip: tuple[int, int]
+    start_rate_scale: float  # where a search starts (a guess; bisection does the rest)
+    min_requests: int = 200
+
+    def shaping(self, rate_scale: float, seed: int) -> Shaping:
+        if rate_scale <= 0:
+            raise ValueError(f"rate scale must be > 0, got {rate_scale}")
+        return Shaping(self.window_start_s, self.window_s, self.thin, rate_scale / self.thin, self.prompt_scale,
+                       self.output_scale, self.prompt_clip, self.output_clip, seed)
+
+    def requests(self, rate_scale: float, seed: int) -> tuple[list[TraceRequest], Shaping]:
+        shaping = self.shaping(rate_scale, seed)
+        reqs = shaping.apply(_trace(self.trace))
+        if len(reqs) < self.min_requests:
+            raise ValueError(f"traffic {self.name!r} seed {seed}: {len(reqs)} requests, fewer than "
+                             f"{self.min_requests}; raise `thin` or the window")
+        return reqs, shaping
+
+    def max_tokens(self) -> int:
+        """The most KV tokens one request can hold (its clipped prompt and output)."""
+        return self.prompt_clip[1] + self.output_clip[1]
+
+    def variant(self, thin: float, min_requests: int) -> "Traffic":
+        """The same kind thinned differently (fewer requests per probe: a quicker, coarser measurement); its
+        name says so, so its probes are stored apart from the kind's own."""
+        if not 0 < thin <= 1 or min_requests < 1:
+            raise ValueError(f"thin must be in (0, 1] and min_requests >= 1, got {thin}, {min_requests}")
+        return replace(self, name=f"{self.name}-thin{thin:g}", thin=thin, min_requests=min_requests)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.what}; at least {self.min_requests} requests per probe; {self.trace} window [{self.window_start_s:g} s, "
+                f"{self.window_start_s + self.window_s:g} s), thinned x{self.thin:g} (seeded), played x(rate scale / "
+                f"{self.thin:g}) faster; prompt tokens x{self.prompt_scale:g} clipped to {self.prompt_clip[0]}:"
+                f"{self.prompt_clip[1]}, output tokens x{self.output_scale:g} clipped to {self.output_clip[0]}:"
+                f"{self.output_clip[1]}")
+
+
+_TRACE_CACHE: dict[str, list[TraceRequest]] = {}
+
+
+def _trace(path: str) -> list[TraceRequest]:
+    if path not in _TRACE_CACHE:
+        _TRACE_CACHE[path] = read_trace(repo_path(path))
+    return _TRACE_CACHE[path]
+
+
+# NOTE: lengths are scaled to what a 135M model on two CPU cores serves; the ratio of output to prompt
+# tokens is what makes a kind decode- or prefill-heavy, so each kind keeps its trace's character:
+# conversation outputs (median 181 in this window, p90 ~424) x0.125 -> median 24, and the clip (112) lies above
+# the scaled p90 (~53), so outputs are scaled, not clipped, for 99% of requests; prompts (median 1042) x0.03.
+# A request holds at most 128 + 112 = 240 tokens, so it fits the smallest pool mapped (256 tokens) alone.
+# The code trace keeps its tiny outputs (median 14) and long prompts (x0.05: median 66).
+KINDS = {
+    "conv": Traffic("conv", f"{TRACES}/azure_llm_conv_2023.csv", "Azure 2023 conversation trace, decode-heavy",
+                    window_start_s=600.0, window_s=600.0, thin=0.075, prompt_scale=0.03, prompt_clip=(8, 128),
+                    output_scale=0.125, output_clip=(4, 112), start_rate_scale=0.3),
+    "code": Traffic("code", f"{TRACES}/azure_llm_code_2023.csv", "Azure 2023 code trace, prefill-heavy and bursty",
+                    window_start_s=2160.0, window_s=150.0, thin=0.33, prompt_scale=0.05, prompt_clip=(16, 128),
+                    output_scale=1.0, output_clip=(4, 64), start_rate_scale=0.5),
+}
+
+
+def kinds(names: str) -> list[Traffic]:
+    out = []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name not in KINDS:
+            raise ValueError(f"unknown traffic kind {name!r} (known: {', '.join(KINDS)})")
+        out.append(KINDS[name])
+    if not out:
+        raise ValueError("no traffic kind given")
+    return out
