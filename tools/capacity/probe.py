@@ -34,6 +34,7 @@ def run_probe(traffic: Traffic, rate: float, seed: int, server, prompts: PromptS
     planned = plan(reqs, prompts)
     drain = slos.drain_s(max(r.output_tokens for r in reqs))
     started = datetime.now(timezone.utc)
+    where = provenance()  # before the run: what the server was started from, not what HEAD became meanwhile
     load0 = os.getloadavg()
     t = time.monotonic()
     # one unloaded request (after a warm-up) before the window: the machine's speed at this moment
@@ -58,6 +59,6 @@ def run_probe(traffic: Traffic, rate: float, seed: int, server, prompts: PromptS
         "load_avg_1m": [round(load0[0], 2), round(load1[0], 2)],
         "load_avg_5m_end": round(load1[1], 2),
         "cpus": os.cpu_count(),
-        **provenance(),
+        **where,
     }
     return res, probe
