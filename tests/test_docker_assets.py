@@ -247,6 +247,12 @@ def test_prometheus_config():
     cfg = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
     targets = [t for job in cfg["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     assert "localhost:8002" in targets  # compose.yaml rewrites exactly this string for another port
+    # The replicas' metrics ports, at compose's defaults (compose rewrites these strings too).
+    svc = compose()["services"]
+    for replica in ("replica-1", "replica-2"):
+        port = resolve(svc[replica]["environment"]["MORPHSERVE_METRICS_PORT"])
+        assert f"localhost:{port}" in targets, replica
+        assert f"s/localhost:{port}/" in " ".join(svc["prometheus"]["command"]), f"compose does not rewrite {port}"
     promtool = shutil.which("promtool")
     if promtool:
         r = subprocess.run([promtool, "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True, text=True)
