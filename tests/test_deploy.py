@@ -76,6 +76,17 @@ def test_renders_and_validates(name):
         assert doc["metadata"].get("namespace", "morphserve") == "morphserve" or doc["kind"] == "Namespace", where
 
 
+def test_every_entry_point_is_rendered_here():
+    """A new overlay (or component) cannot slip past the checks above."""
+    found = {str(k.parent.relative_to(DEPLOY)): yaml.safe_load(k.read_text())["kind"]
+             for k in DEPLOY.rglob("kustomization.yaml")}
+    overlays = {d for d, kind in found.items() if kind == "Kustomization" and d != "base"}
+    assert overlays == set(RENDERINGS)
+    used = {str((DEPLOY / d / c).resolve().relative_to(DEPLOY)) for d in RENDERINGS
+            for c in yaml.safe_load((DEPLOY / d / "kustomization.yaml").read_text()).get("components", [])}
+    assert {d for d, kind in found.items() if kind == "Component"} == used, "a component no overlay renders"
+
+
 def test_validation_rejects_a_broken_manifest():
     """The schema check is real: an unknown field and a wrong type both fail."""
     (dep,) = by_kind(render(DEPLOY / "overlays" / "cpu"), "Deployment")
