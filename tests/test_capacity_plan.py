@@ -6,7 +6,7 @@ import pytest
 
 from tests.capacity_fixtures import put
 from tools.capacity import store
-from tools.capacity.plan import Plan
+from tools.capacity.plan import Plan, policy_params
 from tools.capacity.traffic import KINDS
 
 
@@ -71,3 +71,13 @@ def test_not_a_probe_file(tmp_path):
     bad.write_text(json.dumps({"records": []}))
     with pytest.raises(ValueError, match="not a capacity probe file"):
         store.load_probe(bad)
+
+
+def test_policy_variants_become_server_parameters(tmp_path):
+    assert policy_params("balanced") == ("balanced", {})
+    assert policy_params("balanced+up_quiet_s=10+down_persist=1") == (
+        "balanced", {"morph_up_quiet_s": "10", "morph_down_persist": "1"})
+    path = store.ProbeKey("conv", 256, "balanced+up_quiet_s=10", 0, 0.1).path(tmp_path)
+    assert path.parent.parent.name == "balanced+up_quiet_s=10"
+    with pytest.raises(ValueError, match="expected POLICY\\+NAME=VALUE"):
+        Plan([KINDS["conv"]], [256], ["balanced+up_quiet_s"], [0], tmp_path)

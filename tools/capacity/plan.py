@@ -15,11 +15,25 @@ from tools.capacity.slo import Slos
 from tools.capacity.traffic import Traffic
 from tools.replay.paths import REPO_ROOT
 from tools.replay.prompts import DEFAULT_CORPUS, DEFAULT_FRAGMENTS, PromptSource, load_tokenizer
-from tools.replay.servers import DYNAMIC, Server, wait_idle
+from tools.replay.servers import DYNAMIC, Server, slug, wait_idle
 from tools.replay.settings import DEFAULT_PARAMS
 
 # The replay comparison's server settings, with a queue longer than any probe (a rejection is a miss anyway).
 BASE_PARAMS = {**DEFAULT_PARAMS, "max_queue_size": "1024"}
+
+
+def policy_params(policy: str) -> tuple[str, dict[str, str]]:
+    """`balanced+up_quiet_s=10+down_persist=1` -> ("balanced", {"morph_up_quiet_s": "10", ...}): a policy with
+    its controller thresholds overridden (the server's morph_<name> parameters), measured as a policy of its own
+    so a threshold change is compared with the stock policy on the same seeds, back to back."""
+    base, *overrides = policy.split("+")
+    params = {}
+    for o in overrides:
+        name, sep, value = o.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"policy {policy!r}: expected POLICY+NAME=VALUE[+NAME=VALUE], got {o!r}")
+        params[f"morph_{name}"] = value
+    return base, params
 
 
 @dataclass
@@ -37,6 +51,8 @@ class Plan:
     progress: bool = False
 
     def __post_init__(self):
+        for p in self.policies:
+            policy_params(p)  # refuse a malformed variant before any server starts
         for t in self.traffic:
             small = [p for p in self.pools if p < t.max_tokens()]
             if small:
@@ -55,10 +71,11 @@ class Plan:
 
                     def server(policy: str):
                         if policy not in servers:
-                            servers[policy] = stack.enter_context(Server(
-                                policy, self.server_params(pool), REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}"))
+                            base, morph = policy_params(policy)
+                            logs = REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}" / slug(policy)
+                            servers[policy] = stack.enter_context(Server(base, {**self.server_params(pool), **morph}, logs))
                         else:
-                            wait_idle(servers[policy].metrics_url, policy in DYNAMIC)
+                            wait_idle(servers[policy].metrics_url, policy_params(policy)[0] in DYNAMIC)
                         return servers[policy]
 
                     self._run_pool(traffic, pool, server, prompts)
@@ -79,7 +96,7 @@ class Plan:
                         how = "stored"
                     else:
                         res, probe = run_probe(traffic, rate, seed, server(policy), prompts, self.slos, self.progress)
-                        probe["server_params"] = self.server_params(pool)
+                        probe["server_params"] = {**self.server_params(pool), **policy_params(policy)[1]}
                         store.save(self.out, key, res, probe)
                         how = f"ran {probe['wall_s']:.0f} s, load {probe['load_avg_1m'][0]:.1f}->{probe['load_avg_1m'][1]:.1f}"
                     search.record(rate, probe["attained"])
