@@ -36,3 +36,48 @@ def test_incremental_keeps_whitespace_and_never_splits_a_character():
 def test_chat_template_renders_chatml():
     p = tok().chat_prompt("hi")
     assert p.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# --- against the GGUF itself ------------------------------------------------------------------------------------
+# tokenizer.json is rebuilt from the GGUF's metadata by engines.gguf_import; these check it against the file's own
+# token list and against an independent converter of the same file (transformers' GGUF loader).
+TEXTS = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.",
+    "Hello  world,\n\tdigits 12345 and 3.14159, ünïcödé",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # O(2**n)\n",
+    "   leading spaces, trailing tabs\t\t\r\nCRLF line and 😀 emoji, 東京 and Ελληνικά",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "URL https://example.com/a?b=c&d=e, e-mail a.b@c.org, {\"json\": [1, 2, null]}",
+]
+
+
+def gguf_tokens() -> list[str]:
+    from gguf import GGUFReader
+
+    from engines.gguf_import import embedded_model_path
+
+    return GGUFReader(embedded_model_path()).fields["tokenizer.ggml.tokens"].contents()
+
+
+def test_vocabulary_is_the_gguf_token_list():
+    from tokenizers import Tokenizer as HFTokenizer
+
+    m = Manifest(fragment_dir())
+    ours = HFTokenizer.from_file(str(m.side_file(m.data["tokenizer"]["file"])))
+    tokens = gguf_tokens()
+    assert ours.get_vocab_size(with_added_tokens=True) == len(tokens) == m.config.vocab_size
+    assert [ours.id_to_token(i) for i in range(len(tokens))] == tokens
+
+
+def test_encoding_matches_transformers_gguf_loader():
+    from transformers import AutoTokenizer
+
+    from engines.gguf_import import embedded_model_path
+
+    path = embedded_model_path()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    t = tok()
+    for text in TEXTS:
+        ids = t.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert t.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
