@@ -70,6 +70,10 @@ def test_report_and_json(folder, quality, tmp_path):
     met = ratio.mean >= 1.8 and ratio.lo >= 1.5
     assert f"(target >= 1.8x with the 95% interval's lower end >= 1.5x): **{'met' if met else 'missed'}**" in text
     assert "A reading of the fixture." in text
+    # the one rate both probed on one seed: seed 0 at x0.1 (full's capacity, half balanced's): one row each
+    assert "Same seed, same rate, back to back" in text
+    section = text.split("Same seed")[1].split("![")[0]
+    assert section.count("| 0 | 0.1 | ") == 2 and "| 1 | 0." not in section
     assert text.count("| conv | 256 |") == 18  # every probe in the log
     for png in ("attainment_conv_pool256.png", "frontier_conv_pool256.png", "timeline_conv_pool256_full.png",
                 "timeline_conv_pool256_balanced.png"):

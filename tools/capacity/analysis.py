@@ -115,3 +115,15 @@ def analyse(root: Path, quality: dict[int, float] | None) -> dict[tuple[str, int
                 ratio_interval([s.capacity for s in paired], [ref[s.seed] for s in paired]) if paired else None,
                 nums, mean_interval(losses) if losses else None)
     return out
+
+
+def same_rate(root: Path, traffic: str, pool: int, quality: dict[int, float] | None) -> list[tuple[int, float, dict]]:
+    """(seed, rate, policy -> probe_numbers) for every seed and rate that `full` and another policy both probed:
+    the direct comparison at equal load (the probes ran back to back)."""
+    by: dict[tuple[int, float], dict[str, Path]] = defaultdict(dict)
+    for path in store.stored(root):
+        p = store.load_probe(path)
+        if p["traffic"] == traffic and p["pool"] == pool:
+            by[(p["seed"], p["rate"])][p["policy"]] = path
+    return [(seed, rate, {pol: probe_numbers(path, quality) for pol, path in paths.items()})
+            for (seed, rate), paths in sorted(by.items()) if REFERENCE in paths and len(paths) > 1]

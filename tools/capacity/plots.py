@@ -61,7 +61,8 @@ def regime_map(path: Path, analysis: dict, policies: list[str]) -> None:
         ax.set_xlabel("KV pool at full precision (tokens)")
         ax.set_ylabel("capacity / full's (95% CI)")
         ax.set_title(f"regime map: {t}")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -81,7 +82,8 @@ def frontier(path: Path, title: str, results: dict) -> None:
     ax.set_xlabel("time-weighted perplexity loss at capacity (%)")
     ax.set_ylabel("capacity (rate scale, 95% CI)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tools.capacity import plots, store
-from tools.capacity.analysis import REFERENCE, PolicyResult, analyse
+from tools.capacity.analysis import REFERENCE, PolicyResult, analyse, same_rate
 from tools.capacity.slo import SENSITIVITY, TARGET_ATTAINMENT
 from tools.capacity.stats import CONFIDENCE
 from tools.replay import metrics as rm
@@ -70,6 +70,23 @@ def targets(cell: dict[str, PolicyResult]) -> list[str]:
             f"end >= {TARGET_RATIO_LO}x): **{'met' if met else 'missed'}**"]
 
 
+def same_rate_table(rows: list[tuple[int, float, dict]]) -> list[str]:
+    if not rows:
+        return []
+    out = ["Same seed, same rate, back to back (every rate both `full` and another policy probed):", "",
+           "| seed | rate scale | offered req/s | policy | attainment | violations | P50 / P95 TTFT (s) | P95 TPOT (s) "
+           "| decode batch mean / max | waiting (mean) | preemptions | INT4 layers / token | peak KV (x full) "
+           "| load 1-min |", "|---" * 14 + "|"]
+    for seed, rate, by_policy in rows:
+        for policy, n in sorted(by_policy.items(), key=lambda kv: kv[0] != REFERENCE):
+            out.append(f"| {seed} | {rate:g} | {n['offered_req_s']:.2f} | {policy} | {n['attainment']:.1%} "
+                       f"| {n['violation_rate']:.1%} | {_f(n['ttft_p50'])} / {_f(n['ttft_p95'])} | {_f(n['tpot_p95'], '{:.3f}')} "
+                       f"| {_f(n['decode_batch_mean'], '{:.1f}')} / {_f(n['decode_batch_max'], '{:.0f}')} "
+                       f"| {_f(n['waiting_mean'], '{:.1f}')} | {n['preemptions']:.0f} | {_f(n['int4_layers_mean'])} "
+                       f"| {_f(n['kv_peak_x'], 'x{:.1f}')} | {n['load_avg_1m'][0]:.1f} -> {n['load_avg_1m'][1]:.1f} |")
+    return out + [""]
+
+
 def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -> None:
     quality, qnote = load_quality(quality_path)
     result = analyse(out, quality)
@@ -110,6 +127,7 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
         lines += [HEADER] + [policy_row(r) for r in ordered.values()] + [""]
         if traffic.startswith("conv"):
             lines += ["Targets (issue 12, decode-heavy):", ""] + targets(cell) + [""]
+        lines += same_rate_table(same_rate(out, traffic, pool, quality))
         name = f"{traffic}_pool{pool}"
         plots.attainment(out / f"attainment_{name}.png", f"{traffic}, pool {pool}", ordered)
         lines += [f"![attainment](attainment_{name}.png)", ""]
