@@ -59,3 +59,49 @@ def test_copy_block_moves_all_layers_across_segments():
     p.copy_block(2, 1)
     assert torch.all(p.segments[0].kv[:, :, 2:4] == 7.0)
     assert torch.all(p.segments[0].kv[:, :, 0:2] == 0.0)
+
+
+def test_evacuate_moves_live_blocks_and_rewrites_the_tables():
+    p = pool(blocks=3, bs=2)
+    s2 = p.add_segment(3)  # blocks 3..5
+    p.segments[0].kv.zero_()
+    a = p.allocate(3)  # fills the base segment: 0, 1, 2
+    b = p.allocate(2)  # 3, 4 from the second
+    s2.kv[:, :, 2:4].fill_(5.0)  # block 4's K/V
+    tables = [a[:1] + b[:1], a[1:] + b[1:]]
+    assert not p.evacuate(s2, tables)  # no free block outside s2 yet: nothing can move
+    assert s2.draining and tables == [[0, 3], [1, 2, 4]] and p.num_used == 5
+    p.free([a[0]])  # the first table is done with block 0
+    tables[0] = [3]
+    assert not p.evacuate(s2, tables)  # one block moved (3 -> 0), block 4 still waits for room
+    assert tables == [[0], [1, 2, 4]]
+    p.free([1])
+    tables[1] = [2, 4]
+    assert p.evacuate(s2, tables)  # block 4 -> 1, and the segment is empty
+    assert tables == [[0], [2, 1]] and len(s2.free) == s2.num_blocks
+    assert torch.all(p.segments[0].kv[:, :, 2:4] == 5.0)  # block 1 now holds what block 4 held
+    p.release_segment(s2)
+    assert p.num_blocks == 3 and p.num_used == 3
+
+
+def test_evacuate_never_moves_into_another_draining_segment():
+    p = pool(blocks=1, bs=2)
+    s2, s3 = p.add_segment(2), p.add_segment(2)
+    p.allocate(1)  # the base segment is full
+    live = p.allocate(1)
+    assert p.segment_of(live[0]) is s2
+    s3.draining = True
+    assert not p.evacuate(s2, [live]) and live == [1]
+
+
+def test_slots_map_to_segments():
+    p = pool(blocks=2, bs=4)  # slots 0..7
+    p.add_segment(3)  # slots 8..19
+    slots = torch.tensor([1, 9, 7, 19, 8])
+    which, local = p.locate_slots(slots)
+    assert which.tolist() == [0, 1, 0, 1, 1] and local.tolist() == [1, 1, 7, 11, 0]
+    pieces = p.split_slots(slots)
+    assert [(kv is p.segments[i].kv, rows.tolist(), loc.tolist()) for i, (kv, rows, loc) in enumerate(pieces)] == [
+        (True, [0, 2], [1, 7]), (True, [1, 3, 4], [1, 11, 0])]
+    (kv, rows, local), = p.split_slots(torch.tensor([8, 10]))  # one segment serves them all: no rows
+    assert kv is p.segments[1].kv and rows is None and local.tolist() == [0, 2]

@@ -150,3 +150,24 @@ def test_peak_rss_stays_within_budget_plus_fixed_overhead():
     slack = 64 << 20
     assert r["swaps"] == 4 and r["restores"] == 4
     assert r["peak"] <= r["fixed"] + r["budget"] + slack, f"peak RSS {r['peak']} > {r['fixed']} + {r['budget']} + slack"
+
+
+def test_a_restore_without_room_drains_another_added_segment(caplog):
+    # Two swaps, each paying for its own KV segment. Then the budget is cut by the staging reserve (the account
+    # still holds): releasing the top layer's segment no longer makes room for its full fragment, so the restore
+    # must drain and release the other added segment too, over iterations, logging that once.
+    engine = make_engine(morph_policy="full", force_morph="down:2@0,up:1@1")
+    assert engine.settle_morph(timeout_s=120)
+    m = engine.morph
+    base, seg_a, seg_b = engine.pool.segments
+    assert [s.segment for s in m.swapped] == [seg_a, seg_b]
+    m.account.budget -= m.reserve
+    assert m.account.used <= m.account.budget
+    with caplog.at_level("WARNING", logger="morphserve.morph"):
+        outs = collect(engine, PROMPTS[:1], 2)  # one short request moves the engine to iteration 1
+        settle(engine)
+    assert engine.counters.swaps_up == 1 and engine.num_quantized_layers() == 1
+    assert engine.counters.kv_shrinks == 2 and seg_a not in engine.pool.segments and m.swapped[0].segment is None
+    assert len([r for r in caplog.records if "draining the KV segment" in r.getMessage()]) == 1
+    assert m.account.used <= m.account.budget
+    assert outs["p0"][-1].finish_reason == "length"
