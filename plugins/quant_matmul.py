@@ -96,13 +96,14 @@ class Int4Linear:
     """INT4 weight-only linear: y = x @ W^T, fp32 in and out.
 
     Kernels, by platform:
-    - CPU with the project's C++ kernels (plugins/cpu_kernels.py): `morphserve::int4_linear` on the portable
-      nibbles, fp32 activations; decode reads 4.5 bits per weight, prefill dequantizes and runs MKL (about
-      fp32's speed, where torch's int4 kernel is 2.4x slower at 512 rows).
+    - CPU with the project's C++ kernels (plugins/cpu_kernels.py): `morphserve::int4_linear` on the nibbles
+      re-laid at load by `int4_pack` (blocks of 8 rows, one per AVX2 lane; the same bytes), fp32 activations;
+      decode reads 4.5 bits per weight, prefill dequantizes and runs MKL (about fp32's speed, where torch's
+      int4 kernel is 2.4x slower at 512 rows).
     - CPU without them: torch's `_weight_int4pack_mm_for_cpu`, bf16 activations.
     - CUDA: torch's tinygemm `_weight_int4pack_mm` (untested here).
-    NOTE: it keeps one resident form of the weight (nibbles or a platform packing, the same bytes), never both;
-    files are written from `quantize_int4`'s dict, the portable form.
+    NOTE: it keeps one resident form of the weight (a platform packing of the nibbles), never two; files are
+    written from `quantize_int4`'s dict, the portable form.
     """
 
     __slots__ = ("in_features", "out_features", "group_size", "_packed", "_scales_zeros", "_pre_scale", "_mm",
@@ -118,8 +119,9 @@ class Int4Linear:
         self._scales_zeros = sz.to(torch.bfloat16).contiguous()
         self._cpp = None if qweight.is_cuda else cpu_kernels.ops()
         if self._cpp is not None:
-            self._packed = qweight
-            self._scales_zeros = self._scales_zeros.transpose(0, 1).contiguous()  # per output row: [out, in/G, 2]
+            # [in/G, out, 2] -> per output row [out, in/G, 2] -> the kernel's blocks of 8 rows
+            self._packed, self._scales_zeros = self._cpp.int4_pack(
+                qweight, self._scales_zeros.transpose(0, 1).contiguous(), self.group_size)
             self._mm = None
         elif qweight.is_cuda:
             # NOTE: untested here (no GPU on the dev machine): gpt-fast's CUDA path. Its layout tiles K by
@@ -150,7 +152,7 @@ class Int4Linear:
         if self._cpp is not None:
             lead = x.shape[:-1]
             y = self._cpp.int4_linear(x.reshape(-1, self.in_features).float(), self._packed, self._scales_zeros,
-                                      self.group_size, skinny_gemm.MAX_ROWS)
+                                      self.out_features, self.group_size, skinny_gemm.MAX_ROWS)
             return y.reshape(*lead, self.out_features)
         return _bf16_call(lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros),
                           x, self.out_features)
@@ -215,50 +217,102 @@ def quantized_layer_nbytes(layer: dict) -> int:
 
 # ---------------------------------------------------------------- micro-benchmark
 
-SMOLLM2_SHAPES = {"qkv 576->960": (576, 960), "o 576->576": (576, 576),
-                  "gate_up 576->3072": (576, 3072), "down 1536->576": (1536, 576)}
+# SmolLM2's decoder-layer linears as the engine runs them (fused q|k|v and gate|up): (in, out).
+SMOLLM2_LAYER = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 
 
-def _median_ms(ops: list, x: Tensor, reps: int) -> float:
-    """Median ms per call, cycling through `ops` (one weight copy per layer) so weights stream from memory."""
+def read_bandwidth(clock=None) -> float:
+    """Bytes/s of a streaming read (sum over a buffer far larger than the caches): the floor's denominator."""
+    buf = torch.ones(128 << 20)  # 512 MB
+    return buf.numel() * 4 / _median(lambda: buf.sum(), 5, clock)
+
+
+def _median(fn, reps: int, clock=None) -> float:
     import statistics
     import time
-    for op in ops:
-        op(x)
+    clock = clock or time.perf_counter
+    fn()
     times = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        ops[i % len(ops)](x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return statistics.median(times)
 
 
-def benchmark(batches=(1, 8, 16), reps: int = 300, copies: int = 30) -> list[dict]:
-    """Median ms per call of dense fp32 vs INT4 vs INT8 for SmolLM2's shapes (set OMP_WAIT_POLICY=PASSIVE).
+def layer_benchmark(batches=(1, 2, 4, 8, 16, 32), layers: int = 30, reps: int = 9, repeats: int = 3,
+                    clock=None) -> dict:
+    """A decoder layer's four linears, full precision stored in fp16 (the skinny kernel) vs INT4, per batch.
 
-    NOTE: `copies` distinct weights (30 = one per SmolLM2 layer) are called in turn: with one weight the
-    fp32 matrix stays in the 32 MiB L3 and the measurement says nothing about decode, which streams weights.
+    One "pass" runs `layers` distinct layers in turn (30 = SmolLM2: the weights stream from memory, as in
+    decode, instead of sitting in the 32 MiB L3). The two kinds alternate pass by pass, `repeats` times,
+    with the read bandwidth measured between them; medians are reported, so the machine's noise hits both.
+    `clock`: time.perf_counter (wall, the default) or time.process_time (CPU time of the process: on one
+    thread it leaves out the time other processes hold the core, which a busy shared machine adds at random).
     """
-    rows = []
+    from . import skinny_gemm
+
     torch.manual_seed(0)
-    for name, (k, n) in SMOLLM2_SHAPES.items():
-        ws = [torch.randn(n, k) * 0.02 for _ in range(copies)]
-        ops = {"fp32": [lambda x, w=w: x @ w.t() for w in ws],
-               "int4": [Int4Linear.from_float(w) for w in ws],
-               "int8": [Int8Linear.from_float(w) for w in ws]}
+    fp16 = [{n: (torch.randn(o, i) * 0.02).half() for n, (i, o) in SMOLLM2_LAYER.items()} for _ in range(layers)]
+    int4 = [{n: Int4Linear.from_float(w.float()) for n, w in layer.items()} for layer in fp16]
+    per_layer = {"fp16": sum(w.numel() * 2 for w in fp16[0].values()),
+                 "int4": sum(op.nbytes for op in int4[0].values())}
+    out = {"bytes_per_layer": per_layer, "bandwidth_GBps": [], "rows": []}
+
+    def pass_of(kind, xs):
+        if kind == "fp16":
+            return lambda: [skinny_gemm.linear(xs[w.shape[1]], w) for layer in fp16 for w in layer.values()]
+        return lambda: [op(xs[op.in_features]) for layer in int4 for op in layer.values()]
+
+    times = {(k, b): [] for k in per_layer for b in batches}
+    for _ in range(repeats):
+        out["bandwidth_GBps"].append(read_bandwidth(clock) / 1e9)
         for b in batches:
-            x = torch.randn(b, k)
-            ms = {kind: _median_ms(op, x, reps) for kind, op in ops.items()}
-            rows.append({"shape": name, "batch": b, "weight_bytes_fp32": n * k * 4, **ms})
-    return rows
+            xs = {576: torch.randn(b, 576), 1536: torch.randn(b, 1536)}
+            for kind in per_layer:
+                times[kind, b].append(_median(pass_of(kind, xs), reps, clock) / layers)
+    import statistics
+    bw = statistics.median(out["bandwidth_GBps"]) * 1e9
+    for b in batches:
+        row = {"batch": b}
+        for kind, nbytes in per_layer.items():
+            t = statistics.median(times[kind, b])
+            row[kind] = {"us": t * 1e6, "GBps": nbytes / t / 1e9, "floor_us": nbytes / bw * 1e6}
+        row["fp16_over_int4"] = row["fp16"]["us"] / row["int4"]["us"]
+        out["rows"].append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import time
+
+    ap = argparse.ArgumentParser(description="A SmolLM2 layer's linears: fp16-stored full precision vs INT4, per batch.")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--repeats", type=int, default=3, help="alternating passes per kind and batch (medians)")
+    ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time (use with one thread)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    r = layer_benchmark(tuple(args.batches), repeats=args.repeats, clock=clock)
+    r["clock"] = clock.__name__
+    r["threads"] = torch.get_num_threads()
+    bws = r["bandwidth_GBps"]
+    print(f"threads={torch.get_num_threads()} clock={clock.__name__} group_size={GROUP_SIZE}; one SmolLM2 layer's linears (qkv, o, gate_up, down),"
+          f" 30 layers in turn; read bandwidth {sorted(bws)[len(bws) // 2]:.1f} GB/s (runs: {', '.join(f'{b:.1f}' for b in bws)});"
+          f" bytes/layer fp16 {r['bytes_per_layer']['fp16'] / 1e6:.2f} MB, int4 {r['bytes_per_layer']['int4'] / 1e6:.2f} MB")
+    print(f"{'batch':>5} | {'fp16 us':>8} {'floor':>7} {'GB/s':>6} | {'int4 us':>8} {'floor':>7} {'GB/s':>6} | {'fp16/int4':>9}")
+    for row in r["rows"]:
+        f, q = row["fp16"], row["int4"]
+        print(f"{row['batch']:>5} | {f['us']:8.1f} {f['floor_us']:7.1f} {f['GBps']:6.1f} | {q['us']:8.1f} {q['floor_us']:7.1f}"
+              f" {q['GBps']:6.1f} | {row['fp16_over_int4']:9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    print(f"threads={torch.get_num_threads()} group_size={GROUP_SIZE}; median ms per call, 30 weight copies"
-          " in turn; fp32 floor = weight bytes / 18 GB/s")
-    print(f"{'shape':<20}{'batch':>6}{'floor':>8}{'fp32':>9}{'int4':>9}{'int8':>9}{'fp32/int4':>11}{'fp32/int8':>11}")
-    for r in benchmark():
-        floor = r["weight_bytes_fp32"] / 18e9 * 1e3
-        print(f"{r['shape']:<20}{r['batch']:>6}{floor:>8.3f}{r['fp32']:>9.3f}{r['int4']:>9.3f}{r['int8']:>9.3f}"
-              f"{r['fp32'] / r['int4']:>11.2f}{r['fp32'] / r['int8']:>11.2f}")
+    raise SystemExit(main())

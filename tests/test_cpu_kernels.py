@@ -90,49 +90,60 @@ def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs():
 # ---- INT4 linear ----------------------------------------------------------------------------------------------
 
 def _int4(n: int, k: int, seed: int = 0):
+    """Random INT4 weight: (packed, affine) as the kernel holds it, and the fp32 reference weight."""
     g = torch.Generator().manual_seed(seed)
     t = quant_matmul.quantize_int4(torch.randn(n, k, generator=g) * 0.02)
-    return t["qweight"], t["scales_zeros"].transpose(0, 1).contiguous(), quant_matmul.dequantize_int4(t)
+    packed, affine = ns.int4_pack(t["qweight"], t["scales_zeros"].transpose(0, 1).contiguous(), 32)
+    return packed, affine, quant_matmul.dequantize_int4(t)
 
 
 @needs_kernels
-def test_int4_dequantize_gives_the_reference_weights():
-    q, sz, ref = _int4(100, 576)
-    torch.testing.assert_close(ns.int4_dequantize(q, sz, 32), ref, rtol=1e-6, atol=1e-7)
+@pytest.mark.parametrize("n", [100, 8, 1])
+def test_int4_dequantize_gives_the_reference_weights(n):
+    q, a, ref = _int4(n, 576)
+    assert q.shape == ((n + 7) // 8, 576 // 8, 32)  # the same bytes as the portable nibbles, rows padded to 8
+    torch.testing.assert_close(ns.int4_dequantize(q, a, n, 32), ref, rtol=1e-6, atol=1e-7)
 
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 3, 16, skinny_gemm.MAX_ROWS, skinny_gemm.MAX_ROWS + 1, 130])
-@pytest.mark.parametrize("n,k", [(960, 576), (7, 1536), (1, 32)])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 1536), (1, 32), (40, 64)])
 def test_int4_linear_matches_the_dequantized_matmul(m, n, k):
-    q, sz, ref = _int4(n, k, seed=m)
+    q, a, ref = _int4(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     want = (x.double() @ ref.double().t()).float()
-    got = ns.int4_linear(x, q, sz, 32, skinny_gemm.MAX_ROWS)
+    got = ns.int4_linear(x, q, a, n, 32, skinny_gemm.MAX_ROWS)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
-def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit():
-    q, sz, _ = _int4(50, 576)
+@pytest.mark.parametrize("n", [50, 96])  # a tile of 32 rows and 3 tail blocks of 8; full tiles only
+def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit(n):
+    q, a, _ = _int4(n, 576)
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(3))
-    batched = ns.int4_linear(x, q, sz, 32, skinny_gemm.MAX_ROWS)  # the dequantized-block path
-    for i in range(9):  # one row: the in-register path
-        assert torch.equal(ns.int4_linear(x[i : i + 1], q, sz, 32, skinny_gemm.MAX_ROWS), batched[i : i + 1])
+    batched = ns.int4_linear(x, q, a, n, 32, skinny_gemm.MAX_ROWS)  # the unpacked-buffer path
+    for i in range(9):  # one row and two rows: the in-register path
+        assert torch.equal(ns.int4_linear(x[i : i + 1], q, a, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 1])
+        if i < 8:
+            assert torch.equal(ns.int4_linear(x[i : i + 2], q, a, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 2])
 
 
 @needs_kernels
 def test_int4_linear_rejects_bad_input():
-    q, sz, _ = _int4(8, 64)
+    q, a, _ = _int4(8, 64)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="input has 32 features, weight expects 64"):
-        ns.int4_linear(torch.randn(2, 32), q, sz, 32, 48)
+        ns.int4_linear(torch.randn(2, 32), q, a, 8, 32, 48)
     with pytest.raises(RuntimeError, match="group size 24"):
-        ns.int4_linear(x, q, sz, 24, 48)
+        ns.int4_linear(x, q, a, 8, 24, 48)
+    with pytest.raises(RuntimeError, match="9 output features do not fit 1 packed blocks"):
+        ns.int4_linear(x, q, a, 9, 32, 48)
+    with pytest.raises(RuntimeError, match=r"scales/zeros \[N/8, K/G, 2, 8\]"):
+        ns.int4_linear(x, q, a.transpose(0, 1).contiguous(), 8, 32, 48)
+    with pytest.raises(RuntimeError, match="fp32 CPU input"):
+        ns.int4_linear(x.double(), q, a, 8, 32, 48)
     with pytest.raises(RuntimeError, match=r"scales_zeros \[N, K/G, 2\]"):
-        ns.int4_linear(x, q, sz.transpose(0, 1).contiguous(), 32, 48)
-    with pytest.raises(RuntimeError, match="fp32 input"):
-        ns.int4_linear(x.double(), q, sz, 32, 48)
+        ns.int4_pack(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(2, 8, 2, dtype=torch.bfloat16), 32)
 
 
 @needs_kernels
