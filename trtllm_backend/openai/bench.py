@@ -4,7 +4,9 @@
     python -m trtllm_backend.openai.bench --triton localhost:8001 --gateway http://localhost:9000
 
 Rounds alternate (direct, gateway, direct, ...) so drift on a shared machine hits both. Prints aggregate
-output tokens/s and median TTFT for each, side by side. A script that prints numbers, not a timed test.
+output tokens/s and median TTFT for each, side by side. Under 16 streams TTFT is mostly batched prefill, whose
+noise dwarfs the gateway's share, so lone requests (one token each, alternating) measure the TTFT the gateway
+adds. A script that prints numbers, not a timed test.
 """
 from __future__ import annotations
 
@@ -87,20 +89,23 @@ async def one_round(send, n: int, max_tokens: int) -> Round:
 
 
 async def measure(triton: str, gateway: str, model: str, concurrency: int, max_tokens: int, rounds: int,
-                  api_key: str | None) -> dict[str, list[Round]]:
+                  api_key: str | None, probes: int) -> dict[str, list[Round]]:
     grpc_client = grpcaio.InferenceServerClient(triton)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     http = httpx.AsyncClient(base_url=gateway, timeout=600, limits=limits, headers=headers)
     senders = {"direct": lambda p, m: direct_one(grpc_client, model, p, m),
                "gateway": lambda p, m: gateway_one(http, model, p, m)}
-    out: dict[str, list[Round]] = {"direct": [], "gateway": []}
+    out: dict[str, list[Round]] = {"direct": [], "gateway": [], "direct lone": [], "gateway lone": []}
     try:
         for name, send in senders.items():  # warm-up: connections, first-request paths
             await one_round(send, 2, 4)
         for _ in range(rounds):
             for name, send in senders.items():
                 out[name].append(await one_round(send, concurrency, max_tokens))
+        for _ in range(probes):  # lone requests: TTFT without a batch around it
+            for name, send in senders.items():
+                out[f"{name} lone"].append(await one_round(send, 1, 1))
     finally:
         await http.aclose()
         await grpc_client.close()
@@ -108,8 +113,9 @@ async def measure(triton: str, gateway: str, model: str, concurrency: int, max_t
 
 
 def report(results: dict[str, list[Round]], concurrency: int, max_tokens: int) -> str:
-    lines = [f"{concurrency} concurrent streams, up to {max_tokens} output tokens each, {len(results['direct'])} rounds "
-             "(alternating)", f"{'':10} {'tokens':>8} {'tok/s':>9} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12}"]
+    lines = [f"{concurrency} concurrent streams, up to {max_tokens} output tokens each, {len(results['direct'])} rounds; "
+             f"{len(results['direct lone'])} lone one-token requests each (all alternating)",
+             f"{'':13} {'tokens':>8} {'tok/s':>9} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12}"]
     summary = {}
     for name, rounds in results.items():
         tokens = sum(r.tokens for r in rounds)
@@ -117,10 +123,12 @@ def report(results: dict[str, list[Round]], concurrency: int, max_tokens: int) -
         ttfts = sorted(t for r in rounds for t in r.ttfts)
         p50, p90 = statistics.median(ttfts), ttfts[int(0.9 * (len(ttfts) - 1))]
         summary[name] = (tok_s, p50)
-        lines.append(f"{name:10} {tokens:8d} {tok_s:9.1f} {p50 * 1e3:12.1f} {p90 * 1e3:12.1f}")
+        lines.append(f"{name:13} {tokens:8d} {tok_s:9.1f} {p50 * 1e3:12.1f} {p90 * 1e3:12.1f}")
     ratio = summary["gateway"][0] / summary["direct"][0]
     added = (summary["gateway"][1] - summary["direct"][1]) * 1e3
-    lines.append(f"gateway/direct throughput: {ratio * 100:.1f}%   median TTFT added by the gateway: {added:+.1f} ms")
+    lone = (summary["gateway lone"][1] - summary["direct lone"][1]) * 1e3
+    lines.append(f"gateway/direct throughput at {concurrency} streams: {ratio * 100:.1f}%")
+    lines.append(f"median TTFT added by the gateway: {added:+.1f} ms at {concurrency} streams, {lone:+.1f} ms lone")
     return "\n".join(lines)
 
 
@@ -135,10 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--probes", type=int, default=20, help="lone one-token requests per side")
     args = p.parse_args(argv)
     if not args.launch:
         results = asyncio.run(measure(args.triton, args.gateway, args.model, args.concurrency, args.max_tokens,
-                                      args.rounds, args.api_key))
+                                      args.rounds, args.api_key, args.probes))
         print(report(results, args.concurrency, args.max_tokens))
         return
     from trtllm_backend.triton.server import free_ports, launch
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         gateway = start_gateway(f"localhost:{grpc}", port, log_path=logs / "gateway.log")
         try:
             results = asyncio.run(measure(f"localhost:{grpc}", gateway.url, args.model, args.concurrency,
-                                          args.max_tokens, args.rounds, None))
+                                          args.max_tokens, args.rounds, None, args.probes))
         finally:
             gateway.stop()
     finally:
