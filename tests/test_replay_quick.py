@@ -38,6 +38,9 @@ def test_report_files(quick_report):
     assert "| full |" in report and "| balanced |" in report and "SLO violations cut" in report
     assert "rate x0.05" in report and "clipped to" in report  # the scaling used is stated
     assert str(ROOT) not in report  # no machine paths
+    commit = json.loads((out / "run.json").read_text())["commit"]  # HEAD when it ran (others may commit since)
+    assert subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT).returncode == 0
+    assert f"commit {commit[:7]}" in report and "## Reading" in report  # the run's code, and the generated reading
     assert "[compare] report:" in stdout
 
 

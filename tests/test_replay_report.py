@@ -34,6 +34,8 @@ def test_committed_report_rebuilds_from_its_raw_data(tmp_path):
         pytest.skip("no committed replay results")
     out = tmp_path / "default"
     shutil.copytree(COMMITTED / "raw", out / "raw")
+    if (COMMITTED / "raw_sweep").is_dir():
+        shutil.copytree(COMMITTED / "raw_sweep", out / "raw_sweep")
     for name in ("run.json", "sweep.json", "sweep.md", "notes.md"):
         if (COMMITTED / name).exists():
             shutil.copy(COMMITTED / name, out / name)
@@ -44,4 +46,10 @@ def test_committed_report_rebuilds_from_its_raw_data(tmp_path):
     assert json.loads((out / "summary.json").read_text()) == json.loads((COMMITTED / "summary.json").read_text())
     report = (out / "report.md").read_text()
     assert "# report rebuilt: python -m tools.replay.compare --name default" in report
+    # The committed report.md, narrative included, is what its data produce now: it cannot describe another run.
+    rebuilt = [line for line in report.splitlines() if not line.startswith("# report rebuilt:")]
+    committed = [line for line in (COMMITTED / "report.md").read_text().splitlines()
+                 if not line.startswith("# report rebuilt:")]
+    assert rebuilt == committed, "results/replay/default/report.md is stale: rebuild it with --report-only"
+    assert "Stale notes" not in report
     assert (out / "ttft_cdf.png").stat().st_size > 0 and (out / "timeline_balanced.png").stat().st_size > 0

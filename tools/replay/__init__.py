@@ -21,5 +21,7 @@ Modules, each one concept:
     tables    the text tables: one run's summary, the comparison, the targets, the sweep
     plots     the PNGs
     report    the report folder: report.md, summary.json, plots
+    narrative the report's reading, generated from the tables' data; notes.md checked against it
+    provenance  the commit a run ran on
     paths     repository-relative paths
 """

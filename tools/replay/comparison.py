@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tools.replay import metrics as rm
 from tools.replay.paths import REPO_ROOT
+from tools.replay.provenance import code_version, now_utc
 from tools.replay.result import ReplayResult, save_raw
 from tools.replay.runner import replay
 from tools.replay.servers import Server, slug
@@ -31,7 +32,9 @@ def compare(args, out: Path, planned, window_s) -> None:
     """Run every policy in args.policy_list; server logs go to build/replay/<name>/."""
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps({"command": args.command}))  # --report-only keeps quoting it
+    run = {"command": args.command, **code_version()}  # --report-only keeps quoting both
+    (out / "run.json").write_text(json.dumps(run))
     for policy in args.policy_list:
         res = run_policy(policy, planned, window_s, args, REPO_ROOT / "build" / "replay" / args.name)
         save_raw(raw / f"{slug(policy)}.json", policy, res)
+    (out / "run.json").write_text(json.dumps({**run, "finished": now_utc()}))

@@ -1,29 +1,36 @@
-"""The report folder of a comparison, built from its raw/ results: report.md (the exact command, workload,
-settings, SLO, table, targets, plots, and sweep.md and notes.md when present), summary.json and the PNGs."""
+"""The report folder of a comparison, built from its raw/ results: report.md (the exact command, the run's commit,
+workload, settings, SLO, table, targets, plots, sweep.md when present, a reading generated from the same data,
+and notes.md when present, checked against the rest), summary.json and the PNGs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
-from tools.replay import plots, tables
-from tools.replay.paths import REPO_ROOT, repo_path, shown
+from tools.replay import metrics as rm
+from tools.replay import narrative, plots, tables
+from tools.replay.paths import repo_path, shown
+from tools.replay.provenance import describe
 from tools.replay.quality import load_quality
 from tools.replay.result import load_raw
 from tools.replay.servers import slug
 from tools.replay.settings import slo_of
 
 
-def run_stamp(out: Path) -> str:
-    """When the raw results were written, and the code that wrote them."""
-    newest = max((p.stat().st_mtime for p in (out / "raw").glob("*.json")), default=time.time())
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(newest)) + (f", commit {commit}" if commit else "")
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def sweep_data(out: Path) -> dict | None:
+    """The sweep's points judged by its own SLO, from raw_sweep/ and sweep.json, for the generated reading."""
+    meta = _json(out / "sweep.json")
+    if not meta:
+        return None
+    slo = rm.Slo(meta["slo_s"])
+    points: dict[str, list] = {}
+    for path in sorted((out / "raw_sweep").glob("*_x*.json")):
+        policy, res = load_raw(path)
+        points.setdefault(policy, []).append((float(path.stem.rsplit("_x", 1)[1]), rm.summarize(res.records, slo)))
+    return {**meta, "points": {p: sorted(pts) for p, pts in points.items()}}
 
 
 def write_report(args, out: Path, described: str, window_s) -> None:
@@ -37,15 +44,16 @@ def write_report(args, out: Path, described: str, window_s) -> None:
     for policy, res in results.items():
         plots.timeline(out / f"timeline_{slug(policy)}.png", policy, res, slo, window_s)
     plots.ttft_cdfs(out / "ttft_cdf.png", results, slo)
-    saturation = None
-    if (out / "sweep.json").exists():
-        saturation = json.loads((out / "sweep.json").read_text()).get("sustained")
+    sweep = sweep_data(out)
+    saturation = sweep.get("sustained") if sweep else None
+    run = _json(out / "run.json")
     loads = ", ".join(f"{p} {r.load_avg[0]:.1f}->{r.load_avg[1]:.1f}" for p, r in results.items() if r.load_avg)
     command = args.command
-    if args.report_only and (out / "run.json").exists():
-        command = json.loads((out / "run.json").read_text())["command"] + f"\n# report rebuilt: {args.command}"
+    if args.report_only and run:
+        command = run["command"] + f"\n# report rebuilt: {args.command}"
     md = [f"# Trace replay: {args.name}", "",
-          "```bash", command, "```", "", f"- run: {run_stamp(out)}",
+          "```bash", command, "```", "", f"- run: {describe(run)}"
+          + (f"; sweep: {describe(sweep)}" if sweep and sweep.get("commit") else ""),
           f"- workload: {described}".replace("\n", "\n  "),
           f"- server settings (same for every policy): "
           + ", ".join(f"`{k}={v}`" for k, v in sorted(args.params.items())),
@@ -65,8 +73,16 @@ def write_report(args, out: Path, described: str, window_s) -> None:
     md += [f"![{p}](timeline_{slug(p)}.png)" for p in results]
     if (out / "sweep.md").exists():
         md += ["", "## Saturation sweep", "", (out / "sweep.md").read_text()]
-    if (out / "notes.md").exists():  # a hand-written reading of the results, kept across --report-only
-        md += ["", "## Notes", "", (out / "notes.md").read_text()]
+    md += ["", "## Reading", "", "Generated from the data above (tools/replay/narrative.py).", "",
+           narrative.reading(rows, results, slo, sweep)]
+    if (out / "notes.md").exists():  # hand-written context, kept across --report-only; its figures are checked
+        notes = (out / "notes.md").read_text()
+        stale = narrative.unbacked_figures(notes, "\n".join(md))
+        md += ["", "## Notes", ""]
+        if stale:
+            md += [f"> **Stale notes**: notes.md cites {', '.join(stale)}, which this run's data do not contain.", ""]
+            print(f"[compare] WARNING: notes.md cites figures not in this run's report: {', '.join(stale)}", flush=True)
+        md += [notes]
     (out / "report.md").write_text("\n".join(md) + "\n")
     (out / "summary.json").write_text(json.dumps({r.policy: {**r.summary.as_dict(), "peak_kv_blocks": r.peak_kv_blocks,
                                                              "weighted_ppl": r.weighted_ppl, "quality_loss": r.quality_loss,

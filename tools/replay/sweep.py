@@ -9,6 +9,7 @@ from pathlib import Path
 from tools.replay import metrics as rm
 from tools.replay import plots, tables
 from tools.replay.paths import REPO_ROOT, shown
+from tools.replay.provenance import code_version, now_utc
 from tools.replay.result import ReplayResult, save_raw
 from tools.replay.runner import replay
 from tools.replay.servers import DYNAMIC, Server, slug, wait_idle
@@ -20,6 +21,7 @@ def sweep(args, out: Path, prompts) -> None:
     """One server per policy replays the window at each rate scale, lowest first (its probes before the first);
     judged, like the comparison, by one SLO from all policies' probes pooled."""
     rates = sorted(float(x) for x in args.sweep.split(","))
+    version = code_version()  # the code the sweep runs, before the runs (not whatever is checked out after)
     runs: list[tuple[str, float, ReplayResult]] = []
     offered: dict[float, float] = {}
     (out / "raw_sweep").mkdir(parents=True, exist_ok=True)
@@ -58,5 +60,6 @@ def sweep(args, out: Path, prompts) -> None:
                     f"(target >= x{tables.TARGETS['saturation_ratio']:g}).")
     body += ["", "![sweep](sweep.png)"]
     (out / "sweep.md").write_text("\n".join(body) + "\n")
-    (out / "sweep.json").write_text(json.dumps({"sustained": sustained, "rates": rates, "slo_s": slo.ttft_s}))
+    (out / "sweep.json").write_text(json.dumps({"sustained": sustained, "rates": rates, "slo_s": slo.ttft_s,
+                                                **version, "finished": now_utc()}))
     print("\n" + text + f"\n\n[sweep] {shown(out)}/sweep.md", flush=True)
