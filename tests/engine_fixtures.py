@@ -58,9 +58,12 @@ def run_greedy(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[
 
 
 def assert_same_up_to_near_tie(lone: list[int], lone_gaps: list[float], other: list[int]) -> None:
-    """Equal, or the first difference comes at/after a position where the lone run's top-2 were a near tie."""
-    assert len(lone) == len(other)
+    """Equal, or the first difference comes at a position where the lone run's top-2 logits were a near tie.
+
+    Only the gap at the first difference can excuse it: the tokens before it are identical, so a near tie
+    earlier was resolved the same way in both runs and cannot explain a later divergence."""
+    assert len(lone) == len(other) == len(lone_gaps), (len(lone), len(other), len(lone_gaps))
     for i, (a, b) in enumerate(zip(lone, other)):
         if a != b:
-            assert min(lone_gaps[: i + 1]) < NEAR_TIE, f"diverged at {i} without a near tie (gaps {lone_gaps[: i + 1]})"
+            assert lone_gaps[i] < NEAR_TIE, f"diverged at token {i} where the top-2 gap was {lone_gaps[i]:.2e} (>= {NEAR_TIE})"
             return
