@@ -1,7 +1,8 @@
 """One running tritonserver: `launch()` starts it on a model repository and returns a `ServerHandle`.
 
-The handle stops it (SIGTERM, then SIGKILL), ends its Python backend stubs with it, removes the shared memory
-they leaked and the edited repository copy, and watches the stubs: a dead stub stops the whole server.
+The handle stops it (asks the stubs to drain and SIGTERMs it, then SIGKILL), ends its Python backend stubs with
+it, removes the shared memory they leaked and the edited repository copy, and watches the stubs: a dead stub
+stops the whole server.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import params as triton_params
+from . import shutdown
 from .config_pbtxt import apply_overrides, model_parameters
 from .discovery import PROJECT_ROOT, find_triton, prepare_backend_dir, server_env
 
@@ -60,6 +63,9 @@ class ServerHandle:
     log_path: Path | None = None
     repo_copy: Path | None = None  # the edited copy of the repository (--param), removed on stop
     exit_timeout_s: int = 30
+    control_dir: Path | None = None  # the drain handshake with the stubs (shutdown.py)
+    drain_timeout_s: float | None = None  # the model's, when the launcher read its parameters
+    drained_but_held: bool = False  # stop() ended a drained server that an open gRPC stream kept from unloading
     stub_died: bool = False  # set by the watcher when a Python backend stub exited under a running server
     stopping: bool = False  # stop() was called: stubs exiting now is the normal unload
     _log_file: object = field(default=None, repr=False)
@@ -81,15 +87,25 @@ class ServerHandle:
         return self.process.poll() is None
 
     def stop(self, timeout: float | None = None) -> int:
-        """SIGTERM (Triton unloads models: finalize drains), then SIGKILL after `timeout` (default: the exit
-        timeout plus a margin: with a request stuck in a dead stub tritonserver never exits by itself)."""
+        """Ask the stubs to drain and SIGTERM tritonserver (it unloads the model: finalize), then SIGKILL after
+        `timeout` (default: drain_timeout_s + 4 s when known, else the exit timeout plus a margin: with a request
+        stuck in a dead stub tritonserver never exits by itself). Returns tritonserver's exit status, or 0 when
+        every stub drained but an open gRPC stream kept the model from unloading (shutdown.py says why)."""
         self.stopping = True
         with self._lock:
             if self.alive():
+                if timeout is None:
+                    timeout = self.exit_timeout_s + 5 if self.drain_timeout_s is None else self.drain_timeout_s + 4
+                stubs = len(self.stub_pids())
+                if self.control_dir is not None:
+                    shutdown.request_drain(self.control_dir)
                 self.process.send_signal(signal.SIGTERM)
-                try:
-                    self.process.wait(self.exit_timeout_s + 5 if timeout is None else timeout)
-                except subprocess.TimeoutExpired:
+                if not self._wait_exit(timeout, stubs):
+                    self.drained_but_held = self._held_by_a_stream(stubs)
+                    if self.drained_but_held:
+                        print("[serve] every request was answered, but an open gRPC stream keeps Triton from "
+                              "unloading the model (Triton 2.51 holds a stream's first request until the client "
+                              "closes it): ending tritonserver", file=sys.stderr, flush=True)
                     self.process.kill()
                     self.process.wait()
             # NOTE: a killed (or crashed) tritonserver leaves its Python stubs running, each holding the
@@ -104,7 +120,31 @@ class ServerHandle:
             self.clean_shm()
             if self.repo_copy is not None:
                 shutil.rmtree(self.repo_copy, ignore_errors=True)
-            return self.process.returncode
+            if self.control_dir is not None:
+                shutil.rmtree(self.control_dir, ignore_errors=True)
+            return 0 if self.drained_but_held else self.process.returncode
+
+    def _wait_exit(self, timeout: float, stubs: int) -> bool:
+        """Wait for tritonserver to exit; give up early once the stubs drained and, 2 s later, none finalized."""
+        deadline = time.monotonic() + timeout
+        drained_at = None
+        while time.monotonic() < deadline:
+            try:
+                self.process.wait(0.1)
+                return True
+            except subprocess.TimeoutExpired:
+                pass
+            if drained_at is None and self._held_by_a_stream(stubs, finalized_too=False):
+                drained_at = time.monotonic()
+            if drained_at is not None and time.monotonic() - drained_at > 2.0 and self._held_by_a_stream(stubs):
+                return False
+        return False
+
+    def _held_by_a_stream(self, stubs: int, finalized_too: bool = True) -> bool:
+        """Every stub drained and (finalized_too) none was finalized: only Triton's hold keeps the server up."""
+        if self.control_dir is None or stubs == 0 or shutdown.count(self.control_dir, "drained") < stubs:
+            return False
+        return not finalized_too or shutdown.count(self.control_dir, "finalizing") == 0
 
     def stub_pids(self) -> list[int]:
         """The server's children: the Python backend stubs, one per model instance."""
@@ -165,8 +205,10 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
     if not (repo / model / "config.pbtxt").exists():
         raise FileNotFoundError(f"{repo / model / 'config.pbtxt'} not found")
     overrides = dict(params or {})
+    drain_timeout_s = None
     if check_params:
         parsed = model_parameters(repo, model, overrides)  # fails here, before any server starts
+        drain_timeout_s = parsed.model.drain_timeout_s
         if build_fragments:
             ensure_fragments(parsed)
     repo_copy = None
@@ -182,10 +224,13 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
            "--allow-metrics=true", f"--exit-timeout-secs={exit_timeout_s}",
            f"--backend-config=python,shm-region-prefix-name={shm_prefix}", *(extra_args or [])]
     log_file = open(log_path, "w") if log_path else None
-    process = subprocess.Popen(cmd, env=server_env(), stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
+    control = Path(tempfile.mkdtemp(prefix="morphserve-control-"))
+    env = server_env() | {shutdown.CONTROL_DIR_ENV: str(control)}
+    process = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
                                start_new_session=True, preexec_fn=_die_with_parent)
     handle = ServerHandle(process, http_port, grpc_port, metrics_port, model, shm_prefix,
-                          Path(log_path) if log_path else None, repo_copy, exit_timeout_s, _log_file=log_file)
+                          Path(log_path) if log_path else None, repo_copy, exit_timeout_s, control, drain_timeout_s,
+                          _log_file=log_file)
     try:
         _wait_ready(handle, ready_timeout)
     except BaseException:

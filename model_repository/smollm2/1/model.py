@@ -3,7 +3,7 @@
 `execute` only decodes, validates and enqueues; the engine thread generates and queues its outputs; a
 responder thread sends every response. Two more small threads: one polls `is_cancelled()` (client gone,
 stream closed) and aborts, one refreshes the gauges from `engine.stats()`. `finalize` drains the engine and
-joins them all.
+joins them all; so does a drain the launcher asks for on SIGTERM (trtllm_backend/triton/shutdown.py says why).
 """
 
 import itertools
@@ -30,6 +30,7 @@ from trtllm_backend.errors import InvalidRequest, QueueFull
 from trtllm_backend.outputs import RequestOutput
 from trtllm_backend.sampling import SamplingParams
 from trtllm_backend.triton import params as triton_params
+from trtllm_backend.triton import shutdown
 from trtllm_backend.triton.metrics import TritonMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -219,6 +220,9 @@ class TritonPythonModel:
         self.closing = False
         self.stopping = threading.Event()
         self.outbox: queue.Queue = queue.Queue()  # (LiveRequest, RequestOutput) from the engine thread; None ends
+        self.control = shutdown.control_dir()
+        self.drain_lock = threading.Lock()
+        self.drained = False
         self.engine.start()
         self.responder = threading.Thread(target=self._respond, name="morph-respond", daemon=True)
         self.threads = [self.responder,
@@ -273,6 +277,7 @@ class TritonPythonModel:
         with self.lock:
             targets = [lv for lv in self.live.values() if triton_id and lv.triton_id == triton_id]
         for live in targets:
+            live.cancelled = True  # asked for: its end is no shutdown error
             self.engine.abort(live.rid)
 
     def _respond(self) -> None:
@@ -292,6 +297,11 @@ class TritonPythonModel:
             if out.finish_reason == "error":
                 live.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
                     f"engine error: {out.error}", pb_utils.TritonError.INTERNAL)), final=True)
+            elif out.finish_reason == "abort" and self.closing and not live.cancelled:
+                # cut off by the drain deadline: the client must learn its output is incomplete
+                live.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    f"the server is shutting down: request aborted after drain_timeout_s="
+                    f"{self.params.model.drain_timeout_s:g}", pb_utils.TritonError.UNAVAILABLE)), final=True)
             elif live.stream:
                 text = live.take_prefix() + out.text
                 if text or out.token_ids:
@@ -315,6 +325,8 @@ class TritonPythonModel:
             with self.lock:
                 self.live.pop(live.rid, None)
             status = {"error": "error", "abort": "cancelled"}.get(out.finish_reason, "success")
+            if out.finish_reason == "abort" and self.closing and not live.cancelled:
+                status = "error"
             self.metrics.request_finished(status, out.timings, out.num_output_tokens)
 
     # --- background threads -----------------------------------------------------------------------------------
@@ -324,6 +336,8 @@ class TritonPythonModel:
             if os.getppid() != parent:  # tritonserver died (killed, crashed): an orphaned stub holds the model
                 log_error("tritonserver is gone: exiting the stub")
                 os._exit(1)
+            if self.control is not None and not self.closing and shutdown.drain_requested(self.control):
+                threading.Thread(target=self._drain, name="morph-drain", daemon=True).start()
             with self.lock:
                 candidates = [lv for lv in self.live.values() if not lv.cancelled]
             for live in candidates:
@@ -342,10 +356,24 @@ class TritonPythonModel:
             except Exception as exc:
                 log_error(f"metrics update failed: {exc!r}")
 
+    def _drain(self) -> None:
+        """Once: refuse new requests, let running ones finish for drain_timeout_s, abort the rest (each gets
+        an error), and wait until every response has left."""
+        with self.drain_lock:
+            if self.drained:
+                return
+            self.closing = True
+            self.engine.shutdown(drain_timeout_s=self.params.model.drain_timeout_s)  # final outputs are queued
+            self.outbox.join()
+            self.drained = True
+            if self.control is not None:
+                shutdown.mark(self.control, "drained")
+
     def finalize(self):
-        self.closing = True
-        self.engine.shutdown(drain_timeout_s=self.params.model.drain_timeout_s)  # final outputs are queued
-        self.outbox.put(None)  # after them: the responder sends everything, then ends
+        if self.control is not None:
+            shutdown.mark(self.control, "finalizing")
+        self._drain()
+        self.outbox.put(None)  # the responder ends
         self.stopping.set()
         for t in self.threads:
             t.join()
