@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -88,6 +89,10 @@ def main(argv=None) -> int:
         except ValueError as exc:
             ap.error(str(exc))
         _remember(out, command)
+        # NOTE: a stopped plan must stop its servers (ExitStack): SIGTERM exits through Python, and SIGINT works
+        # even when a shell started the plan in the background with SIGINT ignored.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         plan.run()
     if not args.no_report:
         from tools.capacity.report import write_report  # matplotlib only when a report is written
