@@ -27,7 +27,7 @@ def put(root: Path, traffic: str, pool: int, policy: str, seed: int, rate: float
         int4: int = 0, load=(1.0, 1.5), started="2026-12-01 00:00:00", batch: float = 4.0) -> Path:
     recs = records(n, good, int4)
     samples = [{"t": 0.5 * k, "active": batch + 1, "scheduled": batch, "waiting": 1, "kv_blocks": 32, "kv_used": 24,
-                "kv_capacity": 16, "int4_layers": int4} for k in range(4)]
+                "kv_capacity": 16, "int4_layers": int4, "preemptions": 7 + k, "swaps_down": 3} for k in range(4)]
     att = attainment(recs, SLOS)
     probe = {"attained": att >= TARGET_ATTAINMENT, "attainment": att,
              "sensitivity": {"0.5": attainment(recs, SLOS.scaled(0.5)), "2": attainment(recs, SLOS.scaled(2.0))},

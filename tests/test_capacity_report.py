@@ -55,6 +55,8 @@ def test_capacities_and_ratio_match_hand_calculation(folder, quality, tmp_path):
     assert cell["balanced"].ratio == ratio_interval(bal, full)
     assert cell["balanced"].quality_loss.mean == pytest.approx(0.4 / 10.0)  # 4 INT4 layers: ppl 10.4 vs 10.0
     assert cell["full"].at_capacity[0]["decode_batch_mean"] == 4.0
+    assert cell["full"].at_capacity[0]["preemptions"] == 3  # the counter's increase during the probe (7 -> 10)
+    assert cell["full"].at_capacity[0]["layer_swaps_down"] == 0
 
 
 def test_report_and_json(folder, quality, tmp_path):

@@ -41,6 +41,12 @@ def seed_capacity(seed: int, files: list[Path]) -> SeedCapacity:
     return SeedCapacity(seed, cap, min(failed) if failed else None, [pr for pr, _ in probes], path)
 
 
+def _during(samples: list[dict], key: str) -> float:
+    """A server counter's increase over the probe (the server is kept across probes: its totals are not)."""
+    vals = [x[key] for x in samples if key in x]
+    return vals[-1] - vals[0] if vals else math.nan
+
+
 def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
     """What one probe's run shows: attainment, latencies, the decode batch, KV use, INT4 layers, quality."""
     probe, res = store.load_result(path)
@@ -64,7 +70,8 @@ def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
         "waiting_mean": float(col("waiting").mean()) if busy and col("waiting").size else math.nan,
         "kv_usage_mean": float(usage.mean()) if usage.size else math.nan,
         "kv_peak_x": float(blocks.max() / cap) if blocks.size and cap else math.nan,
-        "preemptions": max((x.get("preemptions", 0) for x in res.samples), default=0),
+        "preemptions": _during(res.samples, "preemptions"),
+        "layer_swaps_down": _during(res.samples, "swaps_down"),
         "int4_layers_mean": s.mean_int4_layers, "prompt_token_share": prompt / (prompt + out) if ok else math.nan,
         "quality_loss": rm.quality_loss(ppl, quality) if quality and not math.isnan(ppl) else math.nan,
         "load_avg_1m": probe["load_avg_1m"], "started_utc": probe["started_utc"], "commit": probe["commit"],
