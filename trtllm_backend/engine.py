@@ -65,8 +65,9 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
         policy = parse_policy(config.morph_policy, mc.num_layers, config.morph_overrides)
-        self.morph = MorphManager(policy, self.manifest, self.store, self.model.slots, self.pool, self.model.shared_nbytes,
-                                  self.counters, config.memory_budget_bytes, config.forced_morph_actions())
+        self.morph = MorphManager(policy, manifest=self.manifest, store=self.store, slots=self.model.slots, pool=self.pool,
+                                  shared_nbytes=self.model.shared_nbytes, counters=self.counters,
+                                  budget_bytes=config.memory_budget_bytes, forced=config.forced_morph_actions())
         self._publish_stats()
 
     # ---- public API (any thread) -----------------------------------------------------------------
