@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--probes", type=int, default=20, help="lone one-token requests per side")
+    p.add_argument("--probes", type=int, default=60, help="lone one-token requests per side")
     args = p.parse_args(argv)
     if not args.launch:
         results = asyncio.run(measure(args.triton, args.gateway, args.model, args.concurrency, args.max_tokens,
