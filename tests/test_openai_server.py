@@ -5,8 +5,10 @@ client disconnect, bad input over the wire, the queue cap as a 503, the API key,
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -249,3 +251,26 @@ def test_gateway_metrics(gateway, client):
     assert 'openai_gateway_time_to_first_token_seconds_count{endpoint="/v1/completions"}' in text
     assert gateway_metric(gateway, "openai_gateway_requests_in_flight") == 0
     assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}
+
+
+# --- the launcher ---------------------------------------------------------------------------------------------------
+def test_the_launcher_starts_and_stops_the_gateway_with_the_server(tmp_path):
+    http, grpc, metrics_port, port = free_ports(4)
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trtllm_backend.serve", "--http-port", str(http),
+                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics_port), "--openai-port", str(port),
+                                 "--param", "morph_policy=full", "--param", "max_tokens_in_paged_kv_cache=1024"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        assert wait_for(lambda: "OpenAI   http://localhost" in log.read_text() or proc.poll() is not None, timeout=300)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        reply = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0).completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=3)
+        assert reply.choices[0].text.startswith(" Paris")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0, log.read_text()[-3000:]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health")
