@@ -17,6 +17,10 @@ def test_good_requests_parse():
     parts = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert parts.messages[0].text == "ab"
+    dev = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "developer", "content": "Be brief."},
+                                                                 {"role": "user", "content": "x", "name": "ann"}]})
+    assert [m.for_template() for m in dev.messages] == [{"role": "system", "content": "Be brief."},
+                                                        {"role": "user", "content": "x", "name": "ann"}]
     done = parse(CompletionRequest, COMPLETION | {"prompt": ["one"], "max_tokens": 3})
     assert done.text == "one" and done.output_limit == ("max_tokens", 3)
 

@@ -164,7 +164,7 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None) -> F
         authorize(request)
         req = parse(ChatCompletionRequest, await _json(request))
         check_model(req.model)
-        messages = [{"role": m.role, "content": m.text} | ({"name": m.name} if m.name else {}) for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         return await serve(request, "chat", req, template.render(messages), "messages")
 
     async def serve(request: Request, kind: str, req: _Generation, prompt: str, prompt_field: str):

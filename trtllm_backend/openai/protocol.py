@@ -38,6 +38,12 @@ class ChatMessage(_Strict):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
+    def for_template(self) -> dict:
+        """The message as chat templates expect it. NOTE: OpenAI's `developer` role is its newer name for
+        `system`; templates of open models know only `system`."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text} | ({"name": self.name} if self.name else {})
+
 
 class _Generation(_Strict):
     model: str
