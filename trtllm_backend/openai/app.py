@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import OpenAIError, unknown_model
 from .metrics import GatewayMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, _Generation, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
 from .template import ChatTemplate
 from .triton_client import Generation, Piece, TritonBackend
 
@@ -167,7 +167,7 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None) -> F
         messages = [m.for_template() for m in req.messages]
         return await serve(request, "chat", req, template.render(messages), "messages")
 
-    async def serve(request: Request, kind: str, req: _Generation, prompt: str, prompt_field: str):
+    async def serve(request: Request, kind: str, req: GenerationRequest, prompt: str, prompt_field: str):
         arrival = time.monotonic()
         limit_field, limit = req.output_limit
         gen = Generation(prompt, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,

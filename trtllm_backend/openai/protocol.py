@@ -45,7 +45,7 @@ class ChatMessage(_Strict):
         return {"role": role, "content": self.text} | ({"name": self.name} if self.name else {})
 
 
-class _Generation(_Strict):
+class GenerationRequest(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -88,7 +88,7 @@ class _Generation(_Strict):
         return "max_tokens", self.max_tokens
 
 
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -108,7 +108,7 @@ class ChatCompletionRequest(_Generation):
         return "max_tokens", self.max_tokens
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
     echo: bool = False
     logprobs: int | None = None
@@ -147,7 +147,7 @@ def _param_name(loc: tuple) -> str:
     return out or "body"
 
 
-def parse(model: type[_Generation], body: object) -> _Generation:
+def parse(model: type[GenerationRequest], body: object) -> GenerationRequest:
     """A checked request, or a 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", param="body", code="invalid_body")
