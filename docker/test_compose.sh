@@ -215,17 +215,18 @@ $RCOMPOSE --profile replicas up -d --wait --wait-timeout 600 --no-build replica-
   || { $RCOMPOSE logs --no-color | tail -60; exit 1; }
 RUP_S=$(printf '%.1f' "$(echo "$(date +%s.%N) - $tu" | bc)")
 log "2 replicas + balancer healthy in ${RUP_S}s (LB image built in ${LB_BUILD_S}s); balancer on $MORPHSERVE_HTTP_PORT/$MORPHSERVE_GRPC_PORT"
-BURST=$("$PY" docker/smoke_client.py burst --http-port "$MORPHSERVE_HTTP_PORT" --grpc-port "$MORPHSERVE_GRPC_PORT" \
+# (tee into a file: `tee /dev/stderr` would truncate a log file that stderr is redirected to)
+"$PY" docker/smoke_client.py burst --http-port "$MORPHSERVE_HTTP_PORT" --grpc-port "$MORPHSERVE_GRPC_PORT" \
   --lb-admin-port "$MORPHSERVE_LB_ADMIN_PORT" --replica-metrics "$MORPHSERVE_REPLICA1_METRICS_PORT,$MORPHSERVE_REPLICA2_METRICS_PORT" \
-  --requests "${MORPHSERVE_TEST_BURST:-16}" --concurrency 8 --max-tokens 16 | tee /dev/stderr | tail -1)
+  --requests "${MORPHSERVE_TEST_BURST:-16}" --concurrency 8 --max-tokens 16 | tee "$WORK/burst.log"
 for svc in replica-1 replica-2 lb; do
   state=$(docker inspect -f '{{.State.Status}} restarts={{.RestartCount}}' "$($RCOMPOSE ps -q "$svc")")
   [ "$state" = "running restarts=0" ] || { echo "$svc state: $state"; exit 1; }
 done
 $RCOMPOSE down --timeout 30 >/dev/null 2>&1; RUP=0
-SERVED=$(echo "$BURST" | grep -o 'served per replica: \[[0-9, ]*\]' | grep -o '\[.*\]' | tr -d ' ')
+SERVED=$(grep -o 'served per replica: \[[0-9, ]*\]' "$WORK/burst.log" | grep -o '\[.*\]' | tr -d ' ')
 
 TOTAL=$(( $(date +%s) - T0 ))
-summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S replicas_up_s=$RUP_S burst_served=$SERVED total_s=$TOTAL"
+summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S lb_build_s=$LB_BUILD_S replicas_up_s=$RUP_S burst_served=$SERVED total_s=$TOTAL"
 echo "$summary" >"$RESULTS/last_run.txt"
 log "PASS: $summary"
