@@ -57,6 +57,7 @@ def test_capacities_and_ratio_match_hand_calculation(folder, quality, tmp_path):
     assert cell["full"].at_capacity[0]["decode_batch_mean"] == 4.0
     assert cell["full"].at_capacity[0]["preemptions"] == 3  # the counter's increase during the probe (7 -> 10)
     assert cell["full"].at_capacity[0]["layer_swaps_down"] == 0
+    assert cell["full"].at_capacity[0]["misses"] == {"ttft": 5, "tpot": 0, "both": 0, "incomplete": 0}
 
 
 def test_report_and_json(folder, quality, tmp_path):
@@ -108,3 +109,17 @@ def test_probes_judged_by_different_slos_are_refused(folder, quality, tmp_path):
 def test_nothing_to_report(tmp_path, quality):
     with pytest.raises(SystemExit, match="no stored probes"):
         write_report(tmp_path, tmp_path / "c.json", quality, "cmd")
+
+
+def test_misses_are_sorted_by_cause():
+    from tests.capacity_fixtures import records
+    from tools.capacity.analysis import misses
+    from tools.replay import metrics as rm
+    recs = records(6, good=4)  # two with a 5 s TTFT
+    recs[0].status = "unfinished"
+    slow = recs[1]  # TTFT 0.5 s, then 1 s per token
+    slow.token_s = [slow.first_token_s + k for k in range(4)]
+    slow.end_s = slow.token_s[-1]
+    recs[4].token_s = [recs[4].first_token_s + k for k in range(4)]  # 5 s TTFT and slow
+    recs[4].end_s = recs[4].token_s[-1]
+    assert misses(recs, rm.Slo(2.0, 0.35)) == {"ttft": 1, "tpot": 1, "both": 1, "incomplete": 1}

@@ -47,10 +47,25 @@ def _during(samples: list[dict], key: str) -> float:
     return vals[-1] - vals[0] if vals else math.nan
 
 
+def misses(records, slo: rm.Slo) -> dict[str, int]:
+    """Why requests missed: the TTFT SLO only, the TPOT SLO only, both, or not completed at all."""
+    out = {"ttft": 0, "tpot": 0, "both": 0, "incomplete": 0}
+    for r in records:
+        if r.status != "ok":
+            out["incomplete"] += 1
+            continue
+        late = rm.ttft(r) is not None and rm.ttft(r) > slo.ttft_s
+        slow = slo.tpot_s is not None and rm.tpot(r) is not None and rm.tpot(r) > slo.tpot_s
+        if late or slow:
+            out["both" if late and slow else "ttft" if late else "tpot"] += 1
+    return out
+
+
 def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
     """What one probe's run shows: attainment, latencies, the decode batch, KV use, INT4 layers, quality."""
     probe, res = store.load_result(path)
-    s = rm.summarize(res.records, rm.Slo(probe["slo"]["ttft_s"], probe["slo"]["tpot_s"]))
+    slo = rm.Slo(probe["slo"]["ttft_s"], probe["slo"]["tpot_s"])
+    s = rm.summarize(res.records, slo)
     busy = [x for x in res.samples if x.get("active")]
     col = lambda key: np.array([x[key] for x in busy if key in x], dtype=float)  # noqa: E731
     batch, used, blocks = col("scheduled"), col("kv_used"), col("kv_blocks")  # scheduled: in the running batch
@@ -63,7 +78,7 @@ def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
     return {
         "rate": probe["rate"], "attainment": probe["attainment"], "sensitivity": probe.get("sensitivity", {}),
         "requests": probe["requests"], "offered_req_s": probe["offered_req_s"],
-        "violation_rate": s.slo_violation_rate, "ttft_p50": s.ttft.p50, "ttft_p95": s.ttft.p95,
+        "violation_rate": s.slo_violation_rate, "misses": misses(res.records, slo), "ttft_p50": s.ttft.p50, "ttft_p95": s.ttft.p95,
         "tpot_p50": s.tpot.p50, "tpot_p95": s.tpot.p95,
         "decode_batch_mean": float(batch.mean()) if batch.size else math.nan,
         "decode_batch_max": float(batch.max()) if batch.size else math.nan,

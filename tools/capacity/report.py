@@ -74,13 +74,15 @@ def same_rate_table(rows: list[tuple[int, float, dict]]) -> list[str]:
     if not rows:
         return []
     out = ["Same seed, same rate, back to back (every rate both `full` and another policy probed):", "",
-           "| seed | rate scale | offered req/s | policy | attainment | violations | P50 / P95 TTFT (s) | P95 TPOT (s) "
+           "| seed | rate scale | offered req/s | policy | attainment | misses: TTFT / TPOT / both / incomplete "
+           "| P50 / P95 TTFT (s) | P95 TPOT (s) "
            "| decode batch mean / max | waiting (mean) | preemptions | layers swapped to INT4 | INT4 layers / token "
            "| peak KV (x full) | load 1-min |", "|---" * 15 + "|"]
     for seed, rate, by_policy in rows:
         for policy, n in sorted(by_policy.items(), key=lambda kv: kv[0] != REFERENCE):
             out.append(f"| {seed} | {rate:g} | {n['offered_req_s']:.2f} | {policy} | {n['attainment']:.1%} "
-                       f"| {n['violation_rate']:.1%} | {_f(n['ttft_p50'])} / {_f(n['ttft_p95'])} | {_f(n['tpot_p95'], '{:.3f}')} "
+                       f"| {n['misses']['ttft']} / {n['misses']['tpot']} / {n['misses']['both']} / {n['misses']['incomplete']} "
+                       f"| {_f(n['ttft_p50'])} / {_f(n['ttft_p95'])} | {_f(n['tpot_p95'], '{:.3f}')} "
                        f"| {_f(n['decode_batch_mean'], '{:.1f}')} / {_f(n['decode_batch_max'], '{:.0f}')} "
                        f"| {_f(n['waiting_mean'], '{:.1f}')} | {_f(n['preemptions'], '{:.0f}')} | {_f(n['layer_swaps_down'], '{:.0f}')} "
                        f"| {_f(n['int4_layers_mean'])} "
