@@ -35,6 +35,9 @@ class EngineConfig:
     # Morph actions at given engine iterations, "down:K@ITER,up:K@ITER" (benchmarks, tests): they run whatever
     # the policy, after any action in flight. Empty: the MORPHSERVE_FORCE_MORPH environment variable (a test hook).
     force_morph: str = ""
+    # Check the state invariants (trtllm_backend/invariants.py) after every iteration's morph step; a violation
+    # is counted (EngineStats.invariant_violations) and logged with the state. Cheap enough to leave on.
+    check_invariants: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache", "max_queue_size"):

@@ -6,6 +6,7 @@ all mutable state (scheduler, KV pool, layer slots) and hands results back throu
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from .config import EngineConfig
 from .controller import Signals, parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
+from .invariants import binding_violations, block_violations, layer_bytes, memory_violations
 from .kv_cache import KVPool
 from .manifest import Manifest
 from .model import LlamaModel
@@ -29,6 +31,8 @@ from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .streaming import OutputStream
+
+log = logging.getLogger("morphserve.engine")
 
 OnOutput = Callable[[RequestOutput], None]
 
@@ -55,6 +59,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
         self.counters = EngineStats()
+        self._last_violations: list[str] = []
+        self._bindings_checked: tuple = (None, 0, [])  # (binding key, their bytes, their violations)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._pending = 0  # accepted, not yet finished (for the queue cap)
@@ -239,6 +245,28 @@ class LLMEngine:
             usage_after_shrink=m.usage_after_shrink(),
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
+        if self.config.check_invariants:
+            self._note_violations(self.check_invariants())
+
+    def check_invariants(self) -> list[str]:
+        """The broken state invariants, one line each with the state that shows it (engine thread, or with no
+        engine thread running)."""
+        m, slots = self.morph, self.model.slots
+        swapped = [s.layer for s in m.swapped]
+        key = (tuple((id(s.weights), s.precision) for s in slots), tuple(swapped))
+        if key != self._bindings_checked[0]:  # NOTE: bindings change only with a swap: checked then, not each time
+            found = binding_violations(slots, self.manifest, swapped)
+            self._bindings_checked = (key, layer_bytes(slots), found)
+        _, layers, found = self._bindings_checked
+        return (memory_violations(m.account, self.pool, layers)
+                + block_violations(self.pool, [r.block_table for r in self.scheduler.running]) + found)
+
+    def _note_violations(self, found: list[str]) -> None:
+        self.counters.invariant_violations += len(found)
+        if found and found != self._last_violations:  # NOTE: once per new state, not every iteration
+            for line in found:
+                log.error("invariant violated at iteration %d: %s", self.counters.iterations, line)
+        self._last_violations = found
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -326,6 +354,7 @@ class LLMEngine:
             kv_grows=c.kv_grows,
             kv_shrinks=c.kv_shrinks,
             swap_failures=c.swap_failures,
+            invariant_violations=c.invariant_violations,
             memory_budget_bytes=self.morph.account.budget,
             memory_used_bytes=self.morph.account.used,
         )

@@ -213,7 +213,11 @@ class MorphManager:
         layer = candidates[0]
         staged = self.manifest.fragment(layer, Precision.INT4)["bytes"]
         if not self.account.fits(staged):
-            log.warning("morph: no room to stage layer %d (%d bytes); waiting", layer, staged)
+            # NOTE: nothing frees budget on its own (KV grows only into what is left): waiting would retry every
+            # iteration and keep the manager busy forever
+            log.warning("morph: no room to stage layer %d (%d bytes, %d of %d budget bytes used); the swap is given up",
+                        layer, staged, self.account.used, self.account.budget)
+            self.pending_down = 0
             return
         self._submit("down", layer, Precision.INT4, staged)
 
@@ -235,7 +239,7 @@ class MorphManager:
         prepare = time.monotonic() - job.started
         try:
             weights = job.future.result()
-        except (FragmentError, OSError, ValueError, KeyError) as err:
+        except Exception as err:  # anything the staging thread raised (a bad file, a failed allocation, a bug)
             self.counters.swap_failures += 1
             log.error("morph: cannot load layer %d for %s: %s; the layer stays where it is", job.layer, job.kind, err)
             if job.kind == "down":

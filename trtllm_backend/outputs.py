@@ -48,6 +48,7 @@ class EngineStats:
     kv_grows: int = 0
     kv_shrinks: int = 0
     swap_failures: int = 0
+    invariant_violations: int = 0  # broken invariants seen (trtllm_backend/invariants.py), one per line per iteration
     memory_budget_bytes: int = 0
     memory_used_bytes: int = 0
     # (prepare_s, apply_s) of the most recent swaps, oldest first (at most 256); the last one is swap number

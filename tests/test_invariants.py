@@ -1,0 +1,75 @@
+"""trtllm_backend.invariants on the real engine: a healthy engine (full, INT4, mid-morph) has no violation;
+each kind of broken state is found, counted once per iteration and logged with the state."""
+import logging
+
+import pytest
+from engine_fixtures import PROMPTS, make_engine
+
+from trtllm_backend.precision import Precision
+from trtllm_backend.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _add(engine, n=4, max_tokens=8):
+    for i, p in enumerate(PROMPTS[:n]):
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), lambda o: None, request_id=f"p{i}")
+
+
+def test_a_healthy_engine_has_no_violation_through_swaps_and_restores():
+    engine = make_engine(force_morph="down:2@1,up:1@5")
+    assert engine.config.check_invariants  # on by default
+    _add(engine, 8, 16)
+    engine.run_until_idle()
+    assert engine.settle_morph(timeout_s=120)
+    assert engine.counters.swaps_down == 2 and engine.counters.swaps_up == 1
+    assert engine.counters.invariant_violations == 0 and engine.check_invariants() == []
+
+
+def test_broken_states_are_found():
+    engine = make_engine()
+    _add(engine, 2, 40)
+    for _ in range(3):
+        engine.step()
+    a, b = engine.scheduler.running[:2]
+    assert engine.check_invariants() == []
+
+    b.block_table.append(a.block_table[0])  # one block in two tables
+    found = engine.check_invariants()
+    assert any("in two block tables" in line for line in found), found
+    b.block_table.pop()
+
+    seg = engine.pool.segments[0]
+    seg.free.append(a.block_table[0])  # held and free at once
+    assert any("both held and free" in line for line in engine.check_invariants())
+    seg.free.pop()
+
+    lost = seg.free.pop()  # a block nobody holds nor lists as free
+    assert any("held +" in line and "!= " in line for line in engine.check_invariants())
+    seg.free.append(lost)
+
+    account = engine.morph.account
+    account.budget, budget = account.used - 1, account.budget
+    assert any("exceed the budget" in line for line in engine.check_invariants())
+    account.budget = budget
+
+    slot = engine.model.slots[3]
+    slot.precision = Precision.INT4  # a slot claiming INT4 that the morph manager never swapped
+    found = engine.check_invariants()
+    assert any("INT4 layers [3]" in line for line in found), found
+    slot.precision = Precision.FULL
+    assert engine.check_invariants() == []
+
+
+def test_a_violation_is_counted_each_iteration_and_logged_once(caplog):
+    engine = make_engine()
+    _add(engine, 2, 30)
+    engine.step()
+    a, b = engine.scheduler.running[:2]
+    b.block_table.append(a.block_table[0])
+    with caplog.at_level(logging.ERROR, logger="morphserve.engine"):
+        for _ in range(3):
+            engine.step()
+    assert engine.counters.invariant_violations >= 3
+    logged = [r.getMessage() for r in caplog.records if "invariant violated" in r.getMessage()]
+    assert len(logged) == 1 and "in two block tables" in logged[0]
