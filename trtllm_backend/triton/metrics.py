@@ -82,6 +82,8 @@ class TritonMetrics:
                                  ("grow", "shrink"))
         self.resizes = {k: _Counter(m) for k, m in resizes.items()}
         self.swap_failures = _Counter(self._single("morphserve_swap_failures_total", "Failed layer swaps", counter))
+        self.invariant_violations = _Counter(self._single(
+            "morphserve_invariant_violations_total", "Broken engine invariants seen (one per line per iteration)", counter))
 
         self.ttft = self._single("morphserve_time_to_first_token_seconds", "Time to first token", hist,
                                  LATENCY_BUCKETS)
@@ -138,6 +140,7 @@ class TritonMetrics:
         self.resizes["grow"].advance(stats.kv_grows)
         self.resizes["shrink"].advance(stats.kv_shrinks)
         self.swap_failures.advance(stats.swap_failures)
+        self.invariant_violations.advance(stats.invariant_violations)
         if stats.swaps_timed < self._swaps_seen:  # a new engine counts from zero again
             self._swaps_seen = 0
         for prepare_s, apply_s in stats.timings_since(self._swaps_seen):
