@@ -161,7 +161,8 @@ class ServerHandle:
     def watch_stubs(self, interval: float = 1.0) -> threading.Thread:
         """A stub that dies leaves Triton "ready" but answering every request with an error, and a request
         in flight never ends: stop the whole server instead, so a supervisor (or the caller) can restart it."""
-        expected = len(self.stub_pids())
+        # NOTE: at least one: a stub killed between "ready" and this line must still count as a death
+        expected = max(1, len(self.stub_pids()))
 
         def watch():
             while self.alive() and not self.stopping and len(self.stub_pids()) >= expected:
