@@ -5,7 +5,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export GOMP_SPINCOUNT := 20000
 PY := .venv/bin/python
 
-.PHONY: setup serve generate test bench docker-test quality profile replay replay-quick
+.PHONY: setup serve generate test bench bench-peers docker-test quality profile replay replay-quick
 setup:
 	@bash tools/setup.sh
 
@@ -21,6 +21,11 @@ test: setup
 bench: setup
 	$(PY) -m tools.bench_engine --json results/bench_engine.json
 	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/bench_engine_fp16.json
+
+# This server (full precision and all-INT4) beside llama.cpp's llama-server on the same GGUF, at concurrency
+# 1/4/8/16 (results/peers/; builds llama-server into build/peers/ once).
+bench-peers: setup
+	$(PY) -m tools.bench_peers --out results/peers
 
 # Container deployment end to end (root; starts/stops its own dockerd when none runs).
 docker-test: setup

