@@ -34,6 +34,7 @@ EXPORTED = {
     "morphserve_layer_swaps_total": {"direction": {"down", "up"}},
     "morphserve_kv_resizes_total": {"direction": {"grow", "shrink"}},
     "morphserve_swap_failures_total": {},
+    "morphserve_invariant_violations_total": {},
 }
 HISTOGRAMS = {"morphserve_time_to_first_token_seconds", "morphserve_time_per_output_token_seconds",
               "morphserve_e2e_request_latency_seconds", "morphserve_request_queue_time_seconds",
