@@ -147,13 +147,13 @@ class Int4Linear:
         return cls.from_float(torch.cat(weights, 0), group_size, pre_scale)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self._pre_scale is not None:
-            x = x * self._pre_scale
-        if self._cpp is not None:
+        if self._cpp is not None:  # the kernel applies the pre-scale itself (one dispatch less)
             lead = x.shape[:-1]
             y = self._cpp.int4_linear(x.reshape(-1, self.in_features).float(), self._packed, self._scales_zeros,
-                                      self.out_features, self.group_size, skinny_gemm.MAX_ROWS)
+                                      self._pre_scale, self.out_features, self.group_size, skinny_gemm.MAX_ROWS)
             return y.reshape(*lead, self.out_features)
+        if self._pre_scale is not None:
+            x = x * self._pre_scale
         return _bf16_call(lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros),
                           x, self.out_features)
 

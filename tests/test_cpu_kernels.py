@@ -112,7 +112,7 @@ def test_int4_linear_matches_the_dequantized_matmul(m, n, k):
     q, a, ref = _int4(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     want = (x.double() @ ref.double().t()).float()
-    got = ns.int4_linear(x, q, a, n, 32, skinny_gemm.MAX_ROWS)
+    got = ns.int4_linear(x, q, a, None, n, 32, skinny_gemm.MAX_ROWS)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -121,11 +121,21 @@ def test_int4_linear_matches_the_dequantized_matmul(m, n, k):
 def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit(n):
     q, a, _ = _int4(n, 576)
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(3))
-    batched = ns.int4_linear(x, q, a, n, 32, skinny_gemm.MAX_ROWS)  # the unpacked-buffer path
+    batched = ns.int4_linear(x, q, a, None, n, 32, skinny_gemm.MAX_ROWS)  # the unpacked-buffer path
     for i in range(9):  # one row and two rows: the in-register path
-        assert torch.equal(ns.int4_linear(x[i : i + 1], q, a, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 1])
+        assert torch.equal(ns.int4_linear(x[i : i + 1], q, a, None, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 1])
         if i < 8:
-            assert torch.equal(ns.int4_linear(x[i : i + 2], q, a, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 2])
+            assert torch.equal(ns.int4_linear(x[i : i + 2], q, a, None, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 2])
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 5, skinny_gemm.MAX_ROWS + 1])
+def test_int4_linear_applies_the_pre_scale_as_a_multiply_before_it(m):
+    q, a, _ = _int4(40, 64)
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+    s = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
+    assert torch.equal(ns.int4_linear(x, q, a, s, 40, 32, skinny_gemm.MAX_ROWS),
+                       ns.int4_linear(x * s, q, a, None, 40, 32, skinny_gemm.MAX_ROWS))
 
 
 @needs_kernels
@@ -133,15 +143,17 @@ def test_int4_linear_rejects_bad_input():
     q, a, _ = _int4(8, 64)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="input has 32 features, weight expects 64"):
-        ns.int4_linear(torch.randn(2, 32), q, a, 8, 32, 48)
+        ns.int4_linear(torch.randn(2, 32), q, a, None, 8, 32, 48)
     with pytest.raises(RuntimeError, match="group size 24"):
-        ns.int4_linear(x, q, a, 8, 24, 48)
+        ns.int4_linear(x, q, a, None, 8, 24, 48)
     with pytest.raises(RuntimeError, match="9 output features do not fit 1 packed blocks"):
-        ns.int4_linear(x, q, a, 9, 32, 48)
+        ns.int4_linear(x, q, a, None, 9, 32, 48)
     with pytest.raises(RuntimeError, match=r"scales/zeros \[N/8, K/G, 2, 8\]"):
-        ns.int4_linear(x, q, a.transpose(0, 1).contiguous(), 8, 32, 48)
+        ns.int4_linear(x, q, a.transpose(0, 1).contiguous(), None, 8, 32, 48)
     with pytest.raises(RuntimeError, match="fp32 CPU input"):
-        ns.int4_linear(x.double(), q, a, 8, 32, 48)
+        ns.int4_linear(x.double(), q, a, None, 8, 32, 48)
+    with pytest.raises(RuntimeError, match=r"fp32 pre_scale \[64\]"):
+        ns.int4_linear(x, q, a, torch.ones(32), 8, 32, 48)
     with pytest.raises(RuntimeError, match=r"scales_zeros \[N, K/G, 2\]"):
         ns.int4_pack(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(2, 8, 2, dtype=torch.bfloat16), 32)
 

@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -290,8 +291,10 @@ at::Tensor dequantized_linear(const at::Tensor& input, const Packed& p, int64_t 
   return at::linear(input, at::from_blob(scratch.data(), {N, p.K}, at::kFloat));
 }
 
-at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& affine, int64_t N,
-                       int64_t G, int64_t max_skinny_rows) {
+// `pre_scale` [K] (AWQ's activation scale of o/down, or none): x * pre_scale is what the weight multiplies;
+// applied here rather than as a torch op before the call (one dispatch less per layer and linear).
+at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& affine,
+                       const std::optional<at::Tensor>& pre_scale, int64_t N, int64_t G, int64_t max_skinny_rows) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() == 2 && input.device().is_cpu(),
               "int4_linear: fp32 CPU input [M, K] expected");
   TORCH_CHECK(max_skinny_rows >= 0 && max_skinny_rows <= kMaxRows, "int4_linear: max_skinny_rows ",
@@ -299,13 +302,25 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& packed, const 
   const Packed p = check_packed(packed, affine, N, G);
   const int64_t M = input.size(0), K = input.size(1);
   TORCH_CHECK(K == p.K, "int4_linear: input has ", K, " features, weight expects ", p.K);
-  if (M > max_skinny_rows) return dequantized_linear(input, p, N);
+  const bool scaled = pre_scale.has_value() && pre_scale->defined();
+  if (scaled)
+    TORCH_CHECK(pre_scale->scalar_type() == at::kFloat && pre_scale->dim() == 1 && pre_scale->size(0) == K &&
+                    pre_scale->is_contiguous(),
+                "int4_linear: contiguous fp32 pre_scale [", K, "] expected");
+  if (M > max_skinny_rows) return dequantized_linear(scaled ? input * *pre_scale : input, p, N);
   const at::Tensor x = input.contiguous();
   at::Tensor y = at::empty({M, N}, at::kFloat);
   if (M == 0 || N == 0) return y;
+  // x * pre_scale (the same fp32 products torch's multiply gives), then per row and group sum(x_g) in a fixed
+  // order (the zero-point term), then x pre-scaled for nibble_in_place.
+  std::vector<float> xw, xsum(M * p.groups), xs(M * K);
   const float* xr = x.data_ptr<float>();
-  // Per row and group, sum(x_g) in a fixed order (the zero-point term); x pre-scaled for nibble_in_place.
-  std::vector<float> xsum(M * p.groups), xs(M * K);
+  if (scaled) {
+    const float* ps = pre_scale->data_ptr<float>();
+    xw.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xw[i] = xr[i] * ps[i % K];
+    xr = xw.data();
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < p.groups; ++g) {
       float s = 0.f;
@@ -335,7 +350,7 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& packed, const 
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("int4_pack(Tensor qweight, Tensor scales_zeros, int group_size) -> (Tensor, Tensor)");
-  m.def("int4_linear(Tensor input, Tensor packed, Tensor affine, int out_features, int group_size, int max_skinny_rows) -> Tensor");
+  m.def("int4_linear(Tensor input, Tensor packed, Tensor affine, Tensor? pre_scale, int out_features, int group_size, int max_skinny_rows) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor affine, int out_features, int group_size) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) {
