@@ -56,3 +56,10 @@ replay-quick: setup
 .PHONY: openai
 openai: setup
 	$(PY) -m trtllm_backend.serve --openai-port 9000
+
+.PHONY: soak
+# Reliability (results/reliability/): 10 minutes of open-loop traffic at 1.5x the measured capacity, 10% bad
+# requests, 10% cancellations (tools/soak.py), then the long fuzzing run (2,400 cases, MORPHSERVE_SOAK=1).
+soak: setup
+	$(PY) -m tools.soak --minutes 10 --out results/reliability
+	MORPHSERVE_SOAK=1 $(PY) -m pytest -q -s tests/test_fuzz_server.py
