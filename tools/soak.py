@@ -10,7 +10,8 @@ in, checking that nothing is lost and nothing leaks.
 3. Reports requests sent / completed / rejected (UNAVAILABLE) / errored / cancelled / lost (must be 0), the
    server's invariant violations (must be 0), RSS of tritonserver + stubs every second (growth after warm-up
    under 5%), and open file descriptors, threads and /dev/shm regions before and after (no growth).
-Writes soak.json, soak.md and soak_rss.png to --out; exits 1 when a check fails.
+Writes soak.json, soak.md and soak_rss.png to --out (the server's log to build/soak_server.log); exits 1 when a
+check fails.
 """
 from __future__ import annotations
 
@@ -256,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup_s if args.warmup_s is not None else max(10.0, seconds / 5)
     with_openmp_defaults(__import__("os").environ)
     http, grpc, metrics = free_ports(3)
-    handle = launch(http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=out / "soak_server.log",
+    log = Path("build") / "soak_server.log"  # NOTE: not beside the results: it names this machine's paths
+    log.parent.mkdir(exist_ok=True)
+    handle = launch(http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=log,
                     params=SERVER_PARAMS | {"morph_policy": args.policy})
     try:
         one_request(handle.grpc_url, "ok", random.Random(0), Tally(), 120)  # warm: first-call costs
