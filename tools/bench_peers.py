@@ -17,7 +17,8 @@ Each level runs `level` closed-loop streams that send `requests-per-stream` requ
 every request forces its output length (Triton: `min_length` = `max_tokens`; llama.cpp: `ignore_eos` with
 `n_predict`). Per server and level: output tok/s (all output tokens over the level's wall time), TTFT p50/p95
 and TPOT p50 (per request: time after the first token over the tokens after it). Ratios are ours / llama.cpp.
-Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md`.
+Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md` (with
+`<out>/notes.md` appended when present; `python -m tools.bench_peers --report-only --out DIR` rebuilds it).
 """
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ def build_llama_server(jobs: int = 2) -> Path:
 class LlamaServer:
     """llama-server on a free port; stop() ends it."""
 
-    def __init__(self, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path):
+    def __init__(self, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path, extra: list[str]):
         from trtllm_backend.serve import free_ports
 
         self.port = free_ports(1)[0]
         self.cmd = [str(LLAMA_SERVER), "-m", str(gguf), "-c", str(slots * ctx_per_slot), "-np", str(slots),
-                    "-t", str(threads), "--host", "127.0.0.1", "--port", str(self.port), "--no-warmup"]
+                    "-t", str(threads), "--host", "127.0.0.1", "--port", str(self.port), "--no-warmup", *extra]
         self._log = open(log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -122,9 +123,12 @@ class LlamaTarget:
     def __init__(self, url: str):
         import aiohttp
 
+        self._aiohttp = aiohttp
         self.url = f"http://{url}/completion"
+        # NOTE: a fresh connection per request: reusing one that llama-server's HTTP library had closed failed
+        # the next request ("Can not write request body").
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                             connector=aiohttp.TCPConnector(limit=0))
+                                             connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
     async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
         # cache_prompt off: every request prefills its whole prompt, as ours does.
@@ -152,6 +156,8 @@ class LlamaTarget:
                         rec.first_token_s = now
                     rec.token_s.append(now)
                 rec.status = "ok"
+        except self._aiohttp.ClientError as e:
+            rec.status, rec.error = "error", f"{type(e).__name__}: {e}"
         finally:
             rec.end_s = clock.now()
 
@@ -209,6 +215,11 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
 
 # ---------------------------------------------------------------- report
 
+def repo_relative(text: str) -> str:
+    """`text` with this checkout's absolute path taken out (results name no path of the machine)."""
+    return text.replace(str(ROOT) + os.sep, "")
+
+
 def _f(v, fmt):
     return "-" if v is None else format(v, fmt)
 
@@ -256,8 +267,17 @@ def main(argv=None) -> int:
                     help="storage of our full-precision weights")
     ap.add_argument("--servers", default="llama.cpp,ours-full,ours-int4")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--llama-arg", action="append", default=[],
+                    help="extra llama-server argument (repeatable), e.g. --llama-arg=--poll --llama-arg=0: its "
+                         "threads then sleep while waiting, as ours do (OMP_WAIT_POLICY=PASSIVE); its default "
+                         "busy-polling stalls when another process holds one of the cores")
     ap.add_argument("--out", default="results/peers")
+    ap.add_argument("--report-only", action="store_true", help="rebuild report.md from <out>/peers.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        out = ROOT / args.out
+        write_report(out, json.loads((out / "peers.json").read_text()))
+        return 0
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     unknown = set(names) - {"llama.cpp", "ours-full", "ours-int4"}
     if unknown:
@@ -284,8 +304,9 @@ def main(argv=None) -> int:
         for name in names:
             print(f"[peers] starting {name} ...", flush=True)
             if name == "llama.cpp":
-                servers[name] = LlamaServer(gguf, max(args.levels), ctx, args.threads, out / "llama-server.log")
-                result["llama_cmd"] = shlex.join(servers[name].cmd)
+                servers[name] = LlamaServer(gguf, max(args.levels), ctx, args.threads, out / "llama-server.log",
+                                            args.llama_arg)
+                result["llama_cmd"] = repo_relative(shlex.join(servers[name].cmd))
             else:
                 policy = "full" if name == "ours-full" else "int4"
                 params = {"morph_policy": policy, "weight_dtype": args.weight_dtype,
@@ -299,9 +320,16 @@ def main(argv=None) -> int:
         for s in servers.values():
             s.stop()
     (out / "peers.json").write_text(json.dumps(result, indent=1))
-    (out / "report.md").write_text(render(result))
-    print(render(result))
+    write_report(out, result)
     return 0
+
+
+def write_report(out: Path, result: dict) -> None:
+    """report.md from the figures, followed by the folder's notes.md (observations written by hand) if any."""
+    notes = out / "notes.md"
+    text = render(result) + ("\n" + notes.read_text() if notes.exists() else "")
+    (out / "report.md").write_text(text)
+    print(text)
 
 
 async def _measure(args, names, servers, prompts, result) -> None:
