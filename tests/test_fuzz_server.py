@@ -308,3 +308,19 @@ def test_fuzz_http(triton_server, idle_before):
     print(f"[fuzz] HTTP: {counts}")
     assert counts["ok"] and counts["rejected"]
     assert_back_to_idle(triton_server, idle_before)
+
+
+def test_found_by_fuzzing_a_vanishing_temperature_is_served(triton_server):
+    """Seed 20261201 found it: temperature 1e-45 made the sampler's probabilities nan; multinomial raised in the
+    engine thread, which died, and every later request hung. Now it samples greedily (and a failing
+    iteration fails only its own requests: tests/test_faults_engine.py)."""
+    stream = Stream(triton_server.grpc_url)
+    try:
+        for t in (1e-45, 1e-38, 3.4e38):
+            responses, error = stream.call([
+                ("text_input", "BYTES", np.array([[b"The capital of France is"]], dtype=np.object_)),
+                ("max_tokens", "INT32", np.array([[3]], dtype=np.int32)),
+                ("temperature", "FP32", np.array([[t]], dtype=np.float32))], timeout=30)
+            assert error is None and responses, (t, error)
+    finally:
+        stream.close()

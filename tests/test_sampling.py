@@ -94,3 +94,15 @@ def test_penalized_sampling_draws_from_the_penalized_distribution():
 def test_penalties_without_the_generated_ids_are_refused():
     with pytest.raises(ValueError, match="generated token ids"):
         sample(logits(), [SamplingParams(presence_penalty=0.5)], [None])
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 3.4e38])
+def test_extreme_temperatures_sample_without_nan(temperature):
+    # Found by fuzzing the server: logits / 1e-45 overflowed to inf and softmax gave nan (multinomial raised).
+    logits = torch.tensor([[2.0, 5.0, 1.0, 5.0 - 1e-3]])
+    gen = torch.Generator().manual_seed(0)
+    token = sample(logits, [SamplingParams(temperature=temperature)], [gen])[0]
+    if temperature < 1:
+        assert token == 1  # a vanishing temperature is greedy
+    else:
+        assert 0 <= token < 4

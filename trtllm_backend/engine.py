@@ -194,14 +194,19 @@ class LLMEngine:
     # ---- engine thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
-            self._drain_inbox()
-            if not self.scheduler.has_work():
-                self._publish_stats()
-                self._wake.wait(0.05)
-                self._wake.clear()
-                self._morph_tick()  # idle iterations still let the controller restore layers
-                continue
-            self.step()
+            try:
+                self._drain_inbox()
+                if not self.scheduler.has_work():
+                    self._publish_stats()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    self._morph_tick()  # idle iterations still let the controller restore layers
+                    continue
+                self.step()
+            except Exception as exc:  # NOTE: a dead engine thread would leave every request hanging forever
+                log.exception("iteration %d failed; failing the running requests", self.counters.iterations)
+                for req in list(self.scheduler.running):
+                    self._finish(req, "error", f"{type(exc).__name__}: {exc}")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -322,14 +327,14 @@ class LLMEngine:
             eos = torch.tensor(list(self.tokenizer.eos_token_ids), dtype=torch.long)
             logits[torch.tensor(rows, dtype=torch.long)[:, None], eos[None, :]] = float("-inf")
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(req)
         req.timings.finished = time.monotonic()
         stream = self.streams.pop(req.request_id)
         del self.requests[req.request_id]
         with self._lock:
             self._pending -= 1
-        stream.finish(reason)
+        stream.finish(reason, error)
 
     def num_quantized_layers(self) -> int:
         return self.morph.int4_layers

@@ -92,7 +92,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if p.greedy:
             out.append(greedy_ids[row])
             continue
-        scores = logits[row].float() / p.temperature
+        # NOTE: shifted first, so a tiny temperature gives 0 and -inf, never inf - inf = nan (found by fuzzing)
+        scores = (logits[row].float() - logits[row].max().float()) / p.temperature
         if p.top_k > 0 and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
