@@ -23,9 +23,10 @@ BLOCK = 16
 
 
 class OfflineModel:
-    def __init__(self, fragment_dir: str | Path, max_len: int = 1024):
+    def __init__(self, fragment_dir: str | Path, max_len: int = 1024, weight_dtype: torch.dtype = torch.float32):
         self.manifest = Manifest(fragment_dir)
-        self.store = FragmentStore(self.manifest, torch.float32)
+        # weight_dtype=float16 stores the full-precision weights as the served default does (fp32 compute).
+        self.store = FragmentStore(self.manifest, torch.float32, weight_dtype)
         self.model = LlamaModel(self.store, max_len)
         self.config = self.manifest.config
         self.full: list[LayerWeights] = [s.weights for s in self.model.slots]

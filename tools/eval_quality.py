@@ -65,6 +65,28 @@ def plot(results: dict, full_ppl: float, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def storage_check(args, t0: float) -> int:
+    """Full-precision perplexity with the weights stored in fp32 and in fp16 (widened to fp32 for compute, as
+    the served weight_dtype=float16 does), on the same held-out tokens."""
+    import torch
+
+    out: dict = {"held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
+                              "seq_len": args.seq_len}}
+    for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
+        model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)
+        ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+        out[name] = perplexity(model, ids, [])
+        print(f"[quality] full precision, weights stored in {name}: perplexity {out[name]:.4f}", flush=True)
+    out["held_out"]["tokens"] = int(ids[:, 1:].numel())
+    out["float16_vs_float32_pct"] = 100 * (out["float16"] / out["float32"] - 1)
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    dest = Path(args.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "storage.json").write_text(json.dumps(out, indent=1))
+    print(f"[quality] fp16 storage moves perplexity by {out['float16_vs_float32_pct']:+.4f}%; wrote {dest}/storage.json")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.eval_quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,8 +96,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "quality"))
+    ap.add_argument("--storage-check", action="store_true",
+                    help="only the full-precision perplexity with fp32- and fp16-stored weights (storage.json)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
+    if args.storage_check:
+        return storage_check(args, t0)
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
     ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
     n = model.config.num_layers

@@ -7,10 +7,9 @@ from tools.replay import metrics as rm
 DEFAULT_POLICIES = "full,balanced,int4,int4:15,accuracy,performance"  # the key pair first, back to back
 # NOTE: the server settings of the comparison, explicit (docs/replay.md says why each). The full-precision pool
 # (512 tokens, 32 blocks) holds about four of the default window's requests; each swapped layer buys 16 blocks,
-# so balanced's 20 layers make it x11 and int4's 30 x16. Two torch threads (both cores): with the C++ decode
-# kernels and a machine near load 1, balanced sustained rate x0.08 with two threads against x0.04 with one
-# (TTFT SLO 2.8 s, 50 s window); at a load average of ~4 one thread was as fast, as the second stalls at
-# every barrier for a core another process holds. Every --param overrides or adds to these.
+# so balanced's 20 layers make it x11 and int4's 30 x16. Two torch threads (both cores); on a machine shared
+# with other work the second stalls at every barrier for a core another process holds, so num_threads=1 can
+# be faster there (no committed run compares the two). Every --param overrides or adds to these.
 DEFAULT_PARAMS = {"max_tokens_in_paged_kv_cache": "512", "block_size": "16", "max_batch_size": "32",
                   "max_num_tokens": "256", "max_queue_size": "256", "num_threads": "2",
                   "metrics_interval_s": "0.25", "drain_timeout_s": "2"}
