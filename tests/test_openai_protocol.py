@@ -22,7 +22,13 @@ def test_good_requests_parse():
     assert [m.for_template() for m in dev.messages] == [{"role": "system", "content": "Be brief."},
                                                         {"role": "user", "content": "x", "name": "ann"}]
     done = parse(CompletionRequest, COMPLETION | {"prompt": ["one"], "max_tokens": 3})
-    assert done.text == "one" and done.output_limit == ("max_tokens", 3)
+    assert done.text == "one" and done.output_limit == ("max_tokens", 3) and done.min_output is None
+
+
+def test_vllm_extensions_set_the_minimum_output():
+    forced = parse(ChatCompletionRequest, CHAT | {"max_completion_tokens": 7, "ignore_eos": True})
+    assert forced.min_output == 7
+    assert parse(CompletionRequest, COMPLETION | {"max_tokens": 9, "min_tokens": 4}).min_output == 4
 
 
 @pytest.mark.parametrize("body, param", [
@@ -67,6 +73,10 @@ def test_good_requests_parse():
     (COMPLETION | {"logprobs": 1}, "logprobs"),
     (COMPLETION | {"suffix": "x"}, "suffix"),
     (COMPLETION | {"best_of": 2}, "best_of"),
+    (COMPLETION | {"ignore_eos": True}, "ignore_eos"),
+    (COMPLETION | {"ignore_eos": 1, "max_tokens": 3}, "ignore_eos"),
+    (COMPLETION | {"min_tokens": 5, "max_tokens": 3}, "min_tokens"),
+    (COMPLETION | {"min_tokens": -1}, "min_tokens"),
     ({"model": "smollm2"}, "prompt"),
 ])
 def test_bad_requests_are_400s_naming_the_field(body, param):

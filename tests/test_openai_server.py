@@ -102,6 +102,13 @@ def test_a_natural_end_is_stop_and_a_stop_string_is_cut(client):
     assert cut.choices[0].finish_reason == "stop" and "." not in cut.choices[0].text and " city" not in cut.choices[0].text
 
 
+def test_ignore_eos_runs_past_the_natural_end(client):
+    """The same prompt that stops early above generates to max_tokens with vLLM's ignore_eos (benchmarks)."""
+    forced = client.chat.completions.create(model=MODEL, messages=chat("Say just the word: yes"), max_tokens=24,
+                                            extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 24
+
+
 def test_penalties_and_seed_reach_the_model(client, triton_server):
     prompt = "List: apple, apple, apple, apple, apple,"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)

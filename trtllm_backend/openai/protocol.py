@@ -1,7 +1,7 @@
 """Request models of the OpenAI API subset the gateway serves, and their checks.
 
-Policy: types are strict (no "5" for 5, no 1 for true), unknown fields are refused, and OpenAI fields the
-engine cannot honour (n > 1, logprobs, logit_bias, echo, suffix, best_of > 1) are refused rather than
+Policy: types are strict (no "5" for 5, no 1 for true), unknown fields are refused (vLLM's `min_tokens` and
+`ignore_eos` extensions are known), and OpenAI fields the engine cannot honour (n > 1, logprobs, logit_bias, echo, suffix, best_of > 1) are refused rather than
 ignored; every refusal is a 400 naming the field.
 """
 from __future__ import annotations
@@ -59,6 +59,9 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # OpenAI's end-user tag: accepted, not used
+    # vLLM's extensions, which its serving benchmark and genai-perf send to force output lengths.
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
 
     @property
     def stop_list(self) -> list[str]:
@@ -81,6 +84,16 @@ class GenerationRequest(_Strict):
             raise bad_param("stop", f"at most {MAX_STOP} sequences, got {len(stops)}")
         if any(not s for s in stops):
             raise bad_param("stop", "sequences must not be empty")
+        limit_field, limit = self.output_limit
+        if self.ignore_eos and limit is None:
+            raise bad_param("ignore_eos", f"needs {limit_field}: it generates until that limit")
+        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
+            raise bad_param("min_tokens", f"{self.min_tokens} is above {limit_field} ({limit})")
+
+    @property
+    def min_output(self) -> int | None:
+        """Tokens generated before an end-of-sequence may stop the request (ignore_eos: all of them)."""
+        return self.output_limit[1] if self.ignore_eos else self.min_tokens
 
     @property
     def output_limit(self) -> tuple[str, int | None]:

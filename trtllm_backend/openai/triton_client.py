@@ -34,6 +34,7 @@ class Generation:
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    min_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ _INPUTS = {
     "random_seed": ("seed", "UINT64", np.uint64),
     "frequency_penalty": ("frequency_penalty", "FP32", np.float32),
     "presence_penalty": ("presence_penalty", "FP32", np.float32),
+    "min_length": ("min_tokens", "INT32", np.int32),
 }
 OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop"}
 
