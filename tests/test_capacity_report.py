@@ -73,6 +73,8 @@ def test_report_and_json(folder, quality, tmp_path):
     met = ratio.mean >= 1.8 and ratio.lo >= 1.5
     assert f"(target >= 1.8x with the 95% interval's lower end >= 1.5x): **{'met' if met else 'missed'}**" in text
     assert "A reading of the fixture." in text
+    assert "| 0: 2.00, 1: 1.75, 2: 2.09 |" in text  # each seed's own ratio (fixture: all bracketed)
+    assert "+4.00% [" in text  # balanced's quality loss, in percent
     # the one rate both probed on one seed: seed 0 at x0.1 (full's capacity, half balanced's): one row each
     assert "Same seed, same rate, back to back" in text
     section = text.split("Same seed")[1].split("![")[0]

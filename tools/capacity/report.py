@@ -38,26 +38,48 @@ def _mean(nums: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def policy_row(r: PolicyResult) -> str:
+def _pct(iv) -> str:
+    """A relative loss interval in percent."""
+    if not iv:
+        return "n/a"
+    f = lambda x: "?" if x is None else f"{100 * x:+.2f}%"  # noqa: E731
+    return f"{f(iv.mean)} [{f(iv.lo)}, {f(iv.hi)}]"
+
+
+def _seed_ratios(r: PolicyResult, ref: PolicyResult | None) -> str:
+    """Each seed's own ratio to full (a lower bound where this policy never failed, an upper one where full did not)."""
+    if not ref or r.policy == REFERENCE:
+        return "-"
+    full = {s.seed: s for s in ref.seeds}
+    out = []
+    for s in r.seeds:
+        f = full.get(s.seed)
+        if s.capacity and f and f.capacity:
+            mark = ">=" if not s.failed_above else "<=" if not f.failed_above else ""
+            out.append(f"{s.seed}: {mark}{s.capacity / f.capacity:.2f}")
+    return ", ".join(out) or "n/a"
+
+
+def policy_row(r: PolicyResult, ref: PolicyResult | None = None) -> str:
     seeds = ", ".join(f"{s.seed}: {_f(s.capacity, '{:g}')}" + (f" (<{s.failed_above:g})" if s.failed_above else " (no fail)")
                       for s in r.seeds)
     n = r.at_capacity
     sens = " / ".join(_f(_mean([{"v": x["sensitivity"].get(f"{f:g}", math.nan)} for x in n], "v"), "{:.0%}")
                       for f in SENSITIVITY) if n else "n/a"
     return (f"| {r.policy} | {r.capacity.fmt() if r.capacity else 'none passed'} | {r.req_s.fmt() if r.req_s else 'n/a'} "
-            f"| {r.ratio.fmt() if r.ratio else 'n/a'} | {seeds} "
+            f"| {r.ratio.fmt() if r.ratio else 'n/a'} | {_seed_ratios(r, ref)} | {seeds} "
             f"| {_f(_mean(n, 'decode_batch_mean'), '{:.1f}')} / {_f(_mean(n, 'decode_batch_max'), '{:.0f}')} "
             f"| {_f(_mean(n, 'kv_usage_mean'), '{:.0%}')} | {_f(_mean(n, 'kv_peak_x'), 'x{:.1f}')} "
             f"| {_f(_mean(n, 'int4_layers_mean'), '{:.1f}')} | {_f(_mean(n, 'prompt_token_share'), '{:.0%}')} "
             f"| {_f(_mean(n, 'ttft_p95'))} / {_f(_mean(n, 'tpot_p95'), '{:.3f}')} | {sens} "
-            f"| {r.quality_loss.fmt() if r.quality_loss else 'n/a'} |")
+            f"| {_pct(r.quality_loss)} |")
 
 
-HEADER = ("| policy | capacity (rate scale, mean [95% CI]) | req/s at capacity | ratio to full [95% CI] "
+HEADER = ("| policy | capacity (rate scale, mean [95% CI]) | req/s at capacity | ratio to full [95% CI] | ratio per seed "
           "| per seed: capacity (lowest failing) | at capacity: decode batch mean / max | KV usage (busy) "
           "| peak KV (x full) | INT4 layers / token | prompt share of tokens | P95 TTFT (s) / P95 TPOT (s) "
           f"| attainment at SLO x{SENSITIVITY[0]:g} / x{SENSITIVITY[1]:g} | quality loss (ppl, mean [CI]) |\n"
-          + "|---" * 13 + "|")
+          + "|---" * 14 + "|")
 
 
 def targets(cell: dict[str, PolicyResult]) -> list[str]:
@@ -127,7 +149,7 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
         if example:
             lines += [f"Traffic: {example['traffic_described']}.", ""]
             lines += ["Workload at one probe (as printed by the replay):", "", "```", example["workload"], "```", ""]
-        lines += [HEADER] + [policy_row(r) for r in ordered.values()] + [""]
+        lines += [HEADER] + [policy_row(r, cell.get(REFERENCE)) for r in ordered.values()] + [""]
         if traffic.startswith("conv"):
             lines += ["Targets (issue 12, decode-heavy):", ""] + targets(cell) + [""]
         lines += same_rate_table(same_rate(out, traffic, pool, quality))
