@@ -39,7 +39,7 @@ def test_probe_rerun_and_report(tmp_path):
     assert probe["slo"] == {"ttft_s": 2.0, "tpot_s": 0.35, "target_attainment": 0.9}
     assert len(data["records"]) == probe["requests"] >= 5 and data["samples"]  # the metrics timeline came too
     assert "time x60" in probe["workload"] and "clipped to" in probe["workload"]  # the scaling is stated
-    assert len(probe["load_avg_1m"]) == 2 and probe["commit"]
+    assert len(probe["load_avg_1m"]) == 2 and probe["commit"] and probe["server_commit"] and probe["server_started_utc"]
     second = capacity(out)  # resumed: the stored probe is read, no server starts
     assert "(stored)" in second.stdout and "server ready" not in second.stdout
     report = (out / "report.md").read_text()

@@ -5,11 +5,12 @@ between probes each is left to go idle (and a dynamic one to restore its layers)
 from __future__ import annotations
 
 import contextlib
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.capacity import store
-from tools.capacity.probe import run_probe
+from tools.capacity.probe import provenance, run_probe
 from tools.capacity.search import Bisection
 from tools.capacity.slo import Slos
 from tools.capacity.traffic import Traffic
@@ -68,19 +69,23 @@ class Plan:
             for pool in self.pools:
                 with contextlib.ExitStack() as stack:
                     servers: dict[str, object] = {}
+                    server_started: dict[str, dict] = {}
 
                     def server(policy: str):
                         if policy not in servers:
                             base, morph = policy_params(policy)
                             logs = REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}" / slug(policy)
+                            started = {"server_started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                                       **{f"server_{k}": v for k, v in provenance().items()}}  # the code it runs
                             servers[policy] = stack.enter_context(Server(base, {**self.server_params(pool), **morph}, logs))
+                            server_started[policy] = started
                         else:
                             wait_idle(servers[policy].metrics_url, policy_params(policy)[0] in DYNAMIC)
                         return servers[policy]
 
-                    self._run_pool(traffic, pool, server, prompts)
+                    self._run_pool(traffic, pool, server, prompts, server_started)
 
-    def _run_pool(self, traffic: Traffic, pool: int, server, prompts) -> None:
+    def _run_pool(self, traffic: Traffic, pool: int, server, prompts, server_started: dict | None = None) -> None:
         start = {p: traffic.start_rate_scale for p in self.policies}
         for seed in self.seeds:
             searches = {p: Bisection(start[p], self.precision, max_probes=self.max_probes) for p in self.policies}
@@ -97,6 +102,7 @@ class Plan:
                     else:
                         res, probe = run_probe(traffic, rate, seed, server(policy), prompts, self.slos, self.progress)
                         probe["server_params"] = {**self.server_params(pool), **policy_params(policy)[1]}
+                        probe.update((server_started or {}).get(policy, {}))
                         store.save(self.out, key, res, probe)
                         how = f"ran {probe['wall_s']:.0f} s, load {probe['load_avg_1m'][0]:.1f}->{probe['load_avg_1m'][1]:.1f}"
                     search.record(rate, probe["attained"])

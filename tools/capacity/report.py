@@ -177,12 +177,15 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
     else:
         lines += ["## Regime map", "", f"Only pool {sorted(pools)} measured so far: no map yet.", ""]
     lines += ["## Probe log", "", "| traffic | pool | policy | seed | rate scale | requests | offered req/s | attainment "
-              "| verdict | started (UTC) | load 1-min start -> end | wall (s) | commit |", "|---" * 13 + "|"]
+              "| verdict | started (UTC) | load 1-min start -> end | wall (s) | HEAD at probe start "
+              "| server's commit, started (UTC) |", "|---" * 14 + "|"]
     for p in sorted(probes, key=lambda p: p["started_utc"]):
         lines.append(f"| {p['traffic']} | {p['pool']} | {p['policy']} | {p['seed']} | {p['rate']:g} | {p['requests']} "
                      f"| {p['offered_req_s']:.2f} | {p['attainment']:.1%} | {'pass' if p['attained'] else 'fail'} "
                      f"| {p['started_utc']} | {p['load_avg_1m'][0]:.1f} -> {p['load_avg_1m'][1]:.1f} | {p['wall_s']:.0f} "
-                     f"| {p['commit']}{'+dirty' if p.get('dirty') else ''} |")
+                     f"| {p['commit']}{'+dirty' if p.get('dirty') else ''} "
+                     f"| {p.get('server_commit', 'not recorded')}{'+dirty' if p.get('server_dirty') else ''} "
+                     f"{p.get('server_started_utc', '')} |")
     notes = out / "notes.md"
     if notes.exists():
         lines += ["", "## Notes", "", notes.read_text().strip()]
