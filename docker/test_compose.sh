@@ -194,6 +194,25 @@ print(f"[prometheus] target up; morphserve_requests_total = {float(done[0]['valu
 PYEOF
 "$PY" docker/render_panels.py --prometheus "http://127.0.0.1:$PROM_PORT" --minutes 2 --out "$RESULTS/dashboard.png"
 
+# ---- a crash: the Python stub killed -> the launcher exits 1 -> the restart policy brings the service back ----
+cid=$($COMPOSE ps -q triton)
+docker exec "$cid" python3 -c "
+import os, signal
+for p in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        if b'triton_python_backend_stub' in open(f'/proc/{p}/cmdline', 'rb').read():
+            os.kill(int(p), signal.SIGKILL)
+    except OSError:
+        pass"
+tk=$(date +%s)
+until [ "$(docker inspect -f '{{.RestartCount}} {{.State.Health.Status}}' "$cid")" = "1 healthy" ]; do
+  [ $(( $(date +%s) - tk )) -lt 300 ] || { echo "not back after the stub was killed: $(docker inspect -f '{{.State.Status}} restarts={{.RestartCount}} {{.State.Health.Status}}' "$cid")"; exit 1; }
+  sleep 2
+done
+RESTART_S=$(( $(date +%s) - tk ))
+"$PY" docker/smoke_client.py check --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
+log "stub killed -> the launcher exited, the restart policy restarted the service, healthy and serving again in ${RESTART_S}s"
+
 $COMPOSE down --timeout 30 >/dev/null 2>&1; UP=0
 
 # ---- profile `replicas`: 2 servers behind HAProxy (Debian's, in an image built FROM the same local base) ----
@@ -227,6 +246,6 @@ $RCOMPOSE down --timeout 30 >/dev/null 2>&1; RUP=0
 SERVED=$(grep -o 'served per replica: \[[0-9, ]*\]' "$WORK/burst.log" | grep -o '\[.*\]' | tr -d ' ')
 
 TOTAL=$(( $(date +%s) - T0 ))
-summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S lb_build_s=$LB_BUILD_S replicas_up_s=$RUP_S burst_served=$SERVED total_s=$TOTAL"
+summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S restart_after_stub_kill_s=$RESTART_S lb_build_s=$LB_BUILD_S replicas_up_s=$RUP_S burst_served=$SERVED total_s=$TOTAL"
 echo "$summary" >"$RESULTS/last_run.txt"
 log "PASS: $summary"

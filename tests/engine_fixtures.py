@@ -32,6 +32,26 @@ def fragment_dir() -> Path:
     return d
 
 
+def corrupt_fragment_copy(dst: Path) -> tuple[Path, int]:
+    """The fragment set (symlinks) with the first swap candidate's INT4 file corrupted (one byte flipped);
+    returns the folder and that layer."""
+    from trtllm_backend.manifest import Manifest
+    from trtllm_backend.precision import Precision
+
+    src = fragment_dir()
+    dst.mkdir()
+    m = Manifest(src)
+    layer = m.swap_order()[0]
+    victim = m.fragment(layer, Precision.INT4)["file"]
+    for f in src.iterdir():
+        if f.is_file() and f.name != victim:
+            os.symlink(f, dst / f.name)
+    data = bytearray((src / victim).read_bytes())
+    data[100] ^= 0xFF
+    (dst / victim).write_bytes(data)
+    return dst, layer
+
+
 def make_engine(**overrides) -> LLMEngine:
     # Static full precision unless a test asks otherwise: outputs are compared with full-precision references.
     overrides.setdefault("morph_policy", "full")

@@ -10,35 +10,18 @@ import time
 import pytest
 
 from conftest import ROOT, TEST_SERVER_PARAMS, free_ports
-from engine_fixtures import fragment_dir
+from engine_fixtures import corrupt_fragment_copy
 from test_sigterm import Launcher, _running
 from test_triton_server import GrpcStream, inputs, metrics, wait_for
 
-from trtllm_backend.manifest import Manifest
-from trtllm_backend.precision import Precision
 
 pytestmark = pytest.mark.slow
-
-
-def corrupt_copy(dst):
-    """The fragment set with the first swap candidate's INT4 file corrupted (one byte flipped)."""
-    src = fragment_dir()
-    dst.mkdir()
-    m = Manifest(src)
-    victim = m.fragment(m.swap_order()[0], Precision.INT4)["file"]
-    for f in src.iterdir():
-        if f.is_file() and f.name != victim:
-            os.symlink(f, dst / f.name)
-    data = bytearray((src / victim).read_bytes())
-    data[100] ^= 0xFF
-    (dst / victim).write_bytes(data)
-    return dst
 
 
 def test_corrupt_fragment_at_swap_time_over_the_wire(tmp_path, monkeypatch):
     from trtllm_backend import serve
 
-    frags = corrupt_copy(tmp_path / "fragments")
+    frags, _ = corrupt_fragment_copy(tmp_path / "fragments")
     monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:1@1")  # the test hook reaches the stub through the env
     http, grpc, metrics_port = free_ports(3)
     srv = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,

@@ -9,11 +9,20 @@ import pytest
 from conftest import ROOT
 
 COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40})\b")
-REPORTS = sorted((ROOT / "results").glob("**/report.md"))
 
 
 def git(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+
+def _reports() -> list:
+    """Committed (or committable) reports: scratch output under git-ignored folders (results/tmp/) is not one."""
+    found = sorted((ROOT / "results").glob("**/report.md"))
+    ignored = set(git("check-ignore", *map(str, found)).stdout.split()) if found else set()
+    return [p for p in found if str(p) not in ignored]
+
+
+REPORTS = _reports()
 
 
 def test_there_are_reports_to_check():

@@ -47,6 +47,9 @@ TYPES = {"text_input": ("BYTES", np.object_), "max_tokens": ("INT32", np.int32),
 SERVER_PARAMS = {"max_tokens_in_paged_kv_cache": "512", "max_batch_size": "16", "max_queue_size": "32",
                  "metrics_interval_s": "0.2", "drain_timeout_s": "5"}
 GROWTH_LIMIT = 0.05
+# NOTE: a leak grows with the traffic (hundreds of requests per minute here); gRPC/HTTP keep a connection or
+# two (and their fds) open after the last request, so one or two more handles at the end are not a leak.
+HANDLE_SLACK = 2
 
 
 @dataclass
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "no unexpected error": not tally.unexpected_errors,
         "no invariant violation": after["invariant_violations"] == 0,
         f"RSS growth after warm-up under {GROWTH_LIMIT:.0%}": growth < GROWTH_LIMIT,
-        "no fd, thread or /dev/shm growth": all(after[k] <= before[k] for k in ("fds", "threads", "shm_regions")),
+        f"fds and threads within +{HANDLE_SLACK}, no /dev/shm growth": (all(after[k] - before[k] <= HANDLE_SLACK for k in ("fds", "threads"))
+                                             and after["shm_regions"] <= before["shm_regions"]),
         "server stopped cleanly": code == 0,
     }
     report["checks"] = checks
