@@ -67,7 +67,7 @@ def test_report_and_json(folder, quality, tmp_path):
     text = (folder / "report.md").read_text()
     assert "# this report: python -m tools.capacity --fixture" in text
     assert "TTFT 2 s, TPOT 0.35 s" in text
-    assert "commit(s) abc1234" in text
+    assert "on commit abc1234" in text
     ratio = ratio_interval([b for _, b in CAPS.values()], [c for c, _ in CAPS.values()])
     assert ratio.fmt() in text
     met = ratio.mean >= 1.8 and ratio.lo >= 1.5

@@ -129,8 +129,8 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
     lines = ["# Capacity by search", "", "```bash", *(measured or ["# (measuring commands not recorded)"]),
              f"# this report: {command}", "```", "",
              f"- report built {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from {len(probes)} stored probes, run "
-             f"{min(p['started_utc'] for p in probes)} to {max(p['started_utc'] for p in probes)} UTC on commit(s) "
-             f"{', '.join(commits)}" + (f"; served paths differing from the commit when probes ran: {', '.join(dirty)}"
+             f"{min(p['started_utc'] for p in probes)} to {max(p['started_utc'] for p in probes)} UTC on "
+             f"{', '.join(f'commit {c}' for c in commits)}" + (f"; served paths differing from the commit when probes ran: {', '.join(dirty)}"
                                        if dirty else ""),
              f"- SLOs (fixed, tools/capacity/slo.py): TTFT {slo['ttft_s']:g} s, TPOT {slo['tpot_s']:g} s; a rate is served "
              f"at attainment >= {slo['target_attainment']:.0%}",
