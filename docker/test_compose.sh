@@ -200,7 +200,8 @@ docker exec "$cid" python3 -c "
 import os, signal
 for p in filter(str.isdigit, os.listdir('/proc')):
     try:
-        if b'triton_python_backend_stub' in open(f'/proc/{p}/cmdline', 'rb').read():
+        # the program itself, not any command line that mentions it (this one does)
+        if open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')[0].endswith(b'triton_python_backend_stub'):
             os.kill(int(p), signal.SIGKILL)
     except OSError:
         pass"
