@@ -32,12 +32,14 @@ def fragment_dir() -> Path:
     return d
 
 
-def corrupt_fragment_copy(dst: Path) -> tuple[Path, int]:
-    """The fragment set (symlinks) with the first swap candidate's INT4 file corrupted (one byte flipped);
-    returns the folder and that layer."""
+def damaged_fragment_copy(dst: Path, damage: str = "corrupt") -> tuple[Path, int]:
+    """The fragment set (symlinks) with the first swap candidate's INT4 file corrupted (one byte flipped) or
+    missing; returns the folder and that layer."""
     from trtllm_backend.manifest import Manifest
     from trtllm_backend.precision import Precision
 
+    if damage not in ("corrupt", "missing"):
+        raise ValueError(f"damage must be 'corrupt' or 'missing', not {damage!r}")
     src = fragment_dir()
     dst.mkdir()
     m = Manifest(src)
@@ -46,9 +48,10 @@ def corrupt_fragment_copy(dst: Path) -> tuple[Path, int]:
     for f in src.iterdir():
         if f.is_file() and f.name != victim:
             os.symlink(f, dst / f.name)
-    data = bytearray((src / victim).read_bytes())
-    data[100] ^= 0xFF
-    (dst / victim).write_bytes(data)
+    if damage == "corrupt":
+        data = bytearray((src / victim).read_bytes())
+        data[100] ^= 0xFF
+        (dst / victim).write_bytes(data)
     return dst, layer
 
 

@@ -4,15 +4,13 @@ long time, and 100 requests cancelled mid-generation during a morph. In each, se
 ends exactly once, and the invariant checker finds nothing. (A corrupt fragment: tests/test_morph.py; over
 the wire with its metric: tests/test_faults_server.py.)"""
 import logging
-import os
 import time
 
 import pytest
-from engine_fixtures import PROMPTS, fragment_dir, make_engine
+from engine_fixtures import PROMPTS, damaged_fragment_copy, make_engine
 
 from trtllm_backend.config import EngineConfig
 from trtllm_backend.engine import LLMEngine
-from trtllm_backend.manifest import Manifest
 from trtllm_backend.precision import Precision
 from trtllm_backend.sampling import SamplingParams
 
@@ -40,14 +38,7 @@ def assert_healthy(engine, outs: dict[str, list], reason: str | None = "length")
 
 
 def test_missing_fragment_at_swap_time_keeps_the_binding_and_swaps_the_next(tmp_path):
-    src, dst = fragment_dir(), tmp_path / "fragments"
-    dst.mkdir()
-    m = Manifest(src)
-    victim_layer = m.swap_order()[0]
-    victim = m.fragment(victim_layer, Precision.INT4)["file"]
-    for f in src.iterdir():
-        if f.is_file() and f.name != victim:
-            os.symlink(f, dst / f.name)
+    dst, victim_layer = damaged_fragment_copy(tmp_path / "fragments", "missing")
     engine = LLMEngine(EngineConfig(fragment_dir=str(dst), morph_policy="full", force_morph="down:2@1"))
     outs = submit(engine, 3, 12)
     engine.run_until_idle()

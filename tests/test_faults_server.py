@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import ROOT, TEST_SERVER_PARAMS, free_ports
-from engine_fixtures import corrupt_fragment_copy
+from engine_fixtures import damaged_fragment_copy
 from test_sigterm import Launcher, _running
 from test_triton_server import GrpcStream, inputs, metrics, wait_for
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_corrupt_fragment_at_swap_time_over_the_wire(tmp_path, monkeypatch):
     from trtllm_backend import serve
 
-    frags, _ = corrupt_fragment_copy(tmp_path / "fragments")
+    frags, _ = damaged_fragment_copy(tmp_path / "fragments")
     monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:1@1")  # the test hook reaches the stub through the env
     http, grpc, metrics_port = free_ports(3)
     srv = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from engine_fixtures import PROMPTS, corrupt_fragment_copy, fragment_dir, make_engine
+from engine_fixtures import PROMPTS, damaged_fragment_copy, fragment_dir, make_engine
 
 from trtllm_backend.manifest import Manifest
 from trtllm_backend.precision import Precision
@@ -90,7 +90,7 @@ def test_capacity_grows_by_exactly_the_freed_blocks(weight_dtype):
 
 
 def test_corrupt_int4_fragment_at_swap_time_keeps_serving(monkeypatch, tmp_path):
-    dst, _ = corrupt_fragment_copy(tmp_path / "fragments")
+    dst, _ = damaged_fragment_copy(tmp_path / "fragments")
     monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:1@1")  # the environment hook, not EngineConfig.force_morph
     from trtllm_backend.config import EngineConfig
     from trtllm_backend.engine import LLMEngine
