@@ -25,7 +25,7 @@ DRAIN_S = float(TEST_SERVER_PARAMS["drain_timeout_s"])
 class Launcher:
     """The CLI launcher as a container runs it, on free ports."""
 
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path, wait_ready: bool = True):
         self.http, self.grpc, self.metrics = free_ports(3)
         params = [a for k, v in TEST_SERVER_PARAMS.items() for a in ("--param", f"{k}={v}")]
         self.log = open(tmp_path / "launcher.log", "w")
@@ -35,7 +35,7 @@ class Launcher:
             stderr=subprocess.STDOUT)
         self.log_path = tmp_path / "launcher.log"
         deadline = time.monotonic() + 300
-        while not self._ready():
+        while wait_ready and not self._ready():
             assert self.process.poll() is None, self.log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "server not ready after 300 s"
             time.sleep(0.5)
@@ -107,6 +107,24 @@ def test_sigterm_with_an_open_grpc_stream_exits_0_within_drain_plus_5(launcher):
         assert not [p for p in pids if _running(p)]  # tritonserver and its stub are gone
     finally:
         stream.close()
+
+
+def test_sigterm_while_the_server_starts_stops_it_once_started(tmp_path):
+    """A SIGTERM before the launcher has seen the server ready (a client or an orchestrator may be quicker)
+    must not kill the launcher with the default action: it stops the server once started, with status 0."""
+    srv = Launcher(tmp_path, wait_ready=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not srv.server_pids():  # tritonserver has been started: the launcher is waiting for it
+            assert srv.process.poll() is None and time.monotonic() < deadline, srv.log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        pids = srv.server_pids()
+        srv.process.send_signal(signal.SIGTERM)
+        code = srv.process.wait(300)
+        assert code == 0, srv.log_path.read_text()[-3000:]
+        assert not [p for p in pids if _running(p)]
+    finally:
+        srv.kill()
 
 
 def test_sigterm_during_a_burst_answers_every_accepted_request(launcher):

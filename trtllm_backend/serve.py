@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--openai-port", type=int, default=None,
                     help="also start the OpenAI-compatible gateway (python -m trtllm_backend.openai) on this port")
     args = ap.parse_args(argv)
+    # NOTE: installed before the server starts: a SIGTERM that arrives while it starts (a client saw it ready
+    # before the launcher did, or the orchestrator gave up) stops it once started instead of killing the
+    # launcher with the default action and leaving tritonserver to its death signal.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the server drains on SIGTERM; Ctrl-C means the same
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         overrides = dict(parse_assignment(a) for a in args.param)
         handle = launch(args.model_repository, model=args.model, http_port=args.http_port,
@@ -61,9 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[serve] error: {exc}", file=sys.stderr)
         return 2
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the server drains on SIGTERM; Ctrl-C means the same
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     gateway = None
     if args.openai_port:
         from .openai.process import start_gateway
