@@ -37,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tools.replay.client import Clock, HttpSseTarget, Planned, RequestRecord
-from tools.replay.provenance import code_version
+from tools.replay.provenance import code_version, commit_phrase
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_BUILD = ROOT / "build" / "peers"
@@ -228,7 +228,7 @@ def _f(v, fmt):
 def render(result: dict) -> str:
     names = result["servers"]
     lines = [f"# This server vs llama.cpp's, one run ({result['started_utc']})", "",
-             f"Command: `{result['command']}`; code: {describe_commit(result)}", "",
+             f"Command: `{result['command']}`; code: {commit_phrase(result)}{result.get('commit_note', '')}", "",
              f"Machine: {result['machine']}; load average at start {result['load_at_start']}. "
              f"Same GGUF ({result['gguf']}), {result['prompt_tokens']}-token prompts, {result['output_tokens']} output "
              f"tokens forced, {result['requests_per_stream']} requests per stream, closed loop; levels measured "
@@ -323,14 +323,6 @@ def main(argv=None) -> int:
     (out / "peers.json").write_text(json.dumps(result, indent=1))
     write_report(out, result)
     return 0
-
-
-def describe_commit(result: dict) -> str:
-    commit = result.get("commit")
-    if not commit:
-        return "commit not recorded"
-    note = result.get("commit_note", "")
-    return f"commit {commit[:7]}" + (" with uncommitted changes to tracked files" if result.get("dirty") else "") + note
 
 
 def write_report(out: Path, result: dict) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from engines.build_fragments import default_fragment_dir
 from engines.offline_model import OfflineModel, corpus_tokens
+from tools.replay.provenance import code_version
 from trtllm_backend.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +72,8 @@ def storage_check(args, t0: float) -> int:
     the served weight_dtype=float16 does), on the same held-out tokens."""
     import torch
 
-    out: dict = {"held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
+    out: dict = {"command": "python -m tools.eval_quality --storage-check", **code_version(),
+                 "load_avg_1m_start": round(os.getloadavg()[0], 2), "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
                               "seq_len": args.seq_len}}
     for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import random
 import re
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from tools.replay.provenance import code_version, commit_phrase, now_utc
 from trtllm_backend.openmp_env import with_openmp_defaults
 from trtllm_backend.triton.server import ServerHandle, free_ports, launch
 
@@ -254,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/reliability")
     args = ap.parse_args(argv)
+    run = code_version() | {"started_utc": now_utc(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seconds = args.minutes * 60
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "server": {k: v for k, v in m.items() if k.startswith(("morphserve_layer_swaps_total", "morphserve_kv_resizes",
                    "morphserve_swap_failures", "morphserve_preemptions", "morphserve_requests_total"))},
         "rss_samples": samples, "server_exit": code,
-    }
+    } | run | {"load_avg_1m_end": round(os.getloadavg()[0], 2)}
     checks = {
         "no request lost": tally.lost == 0 and tally.sent == accounted,
         "no unexpected error": not tally.unexpected_errors,
@@ -318,6 +321,8 @@ def markdown(r: dict) -> str:
     q, b, a = r["requests"], r["before"], r["after"]
     lines = [f"# Soak: {r['seconds']:.0f} s at {r['rate_req_s']:.2f} req/s ({r['policy']})", "",
              f"Command: `{r['command']}`", "",
+             f"Run: {r.get('started_utc', 'start not recorded')}, {commit_phrase(r)}; 1-min load average "
+             f"{r.get('load_avg_1m_start', '?')} at start, {r.get('load_avg_1m_end', '?')} at the end.", "",
              f"Capacity (closed loop, same mix): {r['capacity_req_s'] and round(r['capacity_req_s'], 2)} req/s; "
              f"overload x{r['overload']}.", "",
              "| sent | completed | rejected (UNAVAILABLE) | errored | cancelled | lost |", "|---|---|---|---|---|---|",

@@ -29,8 +29,12 @@ def now_utc() -> str:
 
 def describe(run: dict) -> str:
     """'2026-11-29 20:48 UTC, commit 699afc3' from a run.json / sweep.json, saying so when something is missing."""
-    when = run.get("finished") or "time not recorded"
+    return f"{run.get('finished') or 'time not recorded'}, {commit_phrase(run)}"
+
+
+def commit_phrase(run: dict) -> str:
+    """'commit 699afc3' (plus whether tracked files differed) from a run's recorded code_version()."""
     commit = run.get("commit")
     if not commit:
-        return f"{when}, commit not recorded"
-    return f"{when}, commit {commit[:7]}" + (" with uncommitted changes to tracked files" if run.get("dirty") else "")
+        return "commit not recorded"
+    return f"commit {commit[:7]}" + (" with uncommitted changes to tracked files" if run.get("dirty") else "")
