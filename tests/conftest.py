@@ -2,6 +2,8 @@
 free ports, with a small KV pool and short intervals so the suite stays fast)."""
 from __future__ import annotations
 
+import urllib.request
+
 import os
 from pathlib import Path
 
@@ -48,3 +50,12 @@ def triton_server(tmp_path_factory):
         if leaked:
             print(f"[conftest] removed leaked shared memory: {[p.name for p in leaked]}")
         assert not handle.stub_died, "the Python backend stub died during the session"
+
+
+def http_ready(http_url: str, timeout_s: float = 10) -> bool:
+    """Triton's readiness endpoint at host:port answers 200."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

@@ -25,6 +25,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
+from conftest import http_ready
 from test_triton_server import MODEL, NUMPY_TYPES, TRITON_TYPES, settled_metrics
 
 pytestmark = pytest.mark.slow
@@ -204,11 +205,7 @@ def error_of(text: str) -> str:
 
 
 def ready(server) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+    return http_ready(server.http_url)
 
 
 # NOTE: Triton's own check of the batch dimension (the first of every input: config.pbtxt's max_batch_size 1)

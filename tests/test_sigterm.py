@@ -10,12 +10,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TEST_SERVER_PARAMS, free_ports
+from conftest import ROOT, TEST_SERVER_PARAMS, free_ports, http_ready
 from test_triton_server import GrpcStream, inputs
 
 pytestmark = pytest.mark.slow
@@ -42,11 +41,7 @@ class Launcher:
         self.grpc_url = f"localhost:{self.grpc}"
 
     def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://localhost:{self.http}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ready(f"localhost:{self.http}", timeout_s=2)
 
     def server_pids(self) -> list[int]:
         """tritonserver and its stubs: every process in the launcher's child's session."""
