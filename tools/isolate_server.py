@@ -1,0 +1,102 @@
+"""Give the server a core of its own while a measurement runs on a shared machine.
+
+Every second: the server's processes (tritonserver and its Python backend stubs, every thread) are pinned to
+`--server-cpus`, every other process that may be pinned to `--other-cpus`. Children inherit their parent's
+affinity, so work started later (tests, builds, the load generator) lands on the other cores too. Linux only;
+pinning processes you do not own needs root. Stop it with Ctrl-C; affinities are then left as they are
+(`--release` puts every process back on all cores).
+
+    python -m tools.isolate_server --server-cpus 0 --other-cpus 1 &
+    python -m tools.capacity ... --param num_threads=1
+    python -m tools.isolate_server --release
+
+Why: a capacity probe on a 2-core machine shared with other work measures the machine's load as much as the
+server (docs/capacity.md). With one engine thread pinned alone on a core, only memory bandwidth is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+SERVER_NAMES = ("tritonserver", "triton_python_")  # /proc/<pid>/comm is cut at 15 characters
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0', '0,1' or '0-3' -> a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def is_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip().startswith(SERVER_NAMES)
+    except OSError:
+        return False
+
+
+def pin(pid: int, cpus: set[int]) -> bool:
+    """Pin every thread of `pid`; False when it is gone or may not be pinned (kernel threads)."""
+    changed = False
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            if os.sched_getaffinity(tid) != cpus:
+                os.sched_setaffinity(tid, cpus)
+                changed = True
+        except OSError:
+            pass
+    return changed
+
+
+def sweep(server_cpus: set[int], other_cpus: set[int]) -> tuple[int, int]:
+    """One pass over /proc: (server processes moved, other processes moved)."""
+    moved_server = moved_other = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if is_server(pid):
+            moved_server += pin(pid, server_cpus)
+        elif pid != os.getpid():
+            moved_other += pin(pid, other_cpus)
+    pin(os.getpid(), other_cpus)
+    return moved_server, moved_other
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server-cpus", default="0")
+    ap.add_argument("--other-cpus", default=None, help="default: every other CPU")
+    ap.add_argument("--interval-s", type=float, default=1.0)
+    ap.add_argument("--release", action="store_true", help="put every process back on all CPUs and exit")
+    args = ap.parse_args(argv)
+    every = set(range(os.cpu_count() or 1))
+    if args.release:
+        sweep(every, every)
+        print(f"[isolate] every process back on CPUs {sorted(every)}")
+        return 0
+    server = parse_cpus(args.server_cpus)
+    other = parse_cpus(args.other_cpus) if args.other_cpus else every - server
+    if not server or not other or not (server | other) <= every:
+        ap.error(f"need non-empty CPU sets within {sorted(every)}: server {sorted(server)}, other {sorted(other)}")
+    print(f"[isolate] server processes on CPUs {sorted(server)}, everything else on {sorted(other)}", flush=True)
+    try:
+        while True:
+            s, o = sweep(server, other)
+            if s or o:
+                print(f"[isolate] pinned {s} server and {o} other processes", flush=True)
+            time.sleep(args.interval_s)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
