@@ -8,6 +8,8 @@
   (plugins/quant_matmul.py).
 - `morphserve::rms_norm`, `add_rms_norm`, `silu_mul` (layer_elementwise.cpp): a layer's row-wise ops
   (plugins/elementwise.py).
+- `morphserve::decode_layer` (decode_layer.cpp): a whole decoder layer of a pure decode step in one call, one
+  OpenMP region with barriers between phases, on the same inner loops as the ops above (plugins/decode_layer.py).
 
 They are compiled with the platform's C++ compiler into `build/kernels/` by `python -m plugins.cpu_kernels`
 (the set-up step runs it; a no-op when up to date). Where they are not built, cannot be loaded, or the CPU
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp",
-           CSRC / "layer_elementwise.cpp"]
+           CSRC / "layer_elementwise.cpp", CSRC / "decode_layer.cpp"]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY_NAME = "morphserve_kernels"
 _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)

@@ -157,6 +157,13 @@ class Int4Linear:
         return _bf16_call(lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros),
                           x, self.out_features)
 
+    def fused_args(self) -> tuple[list[Tensor], list[int]] | None:
+        """This linear's part of `plugins.decode_layer`'s arguments (C++ packing only), else None."""
+        if self._cpp is None:
+            return None
+        pre = self._pre_scale if self._pre_scale is not None else torch.empty(0)
+        return [self._packed, self._scales_zeros, pre], [1, self.out_features, self.group_size]
+
     @property
     def nbytes(self) -> int:
         return _nbytes(self._packed, self._scales_zeros, self._pre_scale)

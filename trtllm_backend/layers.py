@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plugins import decode_layer as fused
 from plugins import skinny_gemm
 from plugins.elementwise import add_rms_norm, rms_norm, silu_mul
 from plugins.paged_attention import decode_attention_qkv, paged_attention
@@ -27,6 +28,9 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_gemm.linear(x, self.weight)
+
+    def fused_args(self):
+        return fused.dense_args(self.weight)
 
     @property
     def nbytes(self) -> int:
@@ -77,15 +81,23 @@ class LayerSlot:
         self.config = config
         self.weights = weights
         self.precision = precision
+        self._fused: tuple | None = None  # decode_layer's arguments for `weights`, built on first use
 
     def bind(self, weights: LayerWeights, precision: str) -> LayerWeights:
         """Rebind to another fragment (engine thread, between iterations); returns the old weights."""
         old, self.weights, self.precision = self.weights, weights, precision
+        self._fused = None
         return old
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """h [T, hidden] -> h [T, hidden]; cos/sin [T, D/2] at each token's position."""
         c, w = self.config, self.weights
+        if plan.fused_decode and fused.applies(h):
+            if self._fused is None:
+                args = fused.layer_args(w.input_layernorm, w.post_attention_layernorm, (w.qkv, w.o, w.gate_up, w.down))
+                self._fused = (args,)
+            if self._fused[0] is not None:  # the whole layer in one call (bitwise the per-op path below)
+                return fused.decode_layer(h, self._fused[0], cos, sin, self.index, plan, c.num_heads, c.rms_norm_eps)
         qkv = w.qkv(rms_norm(h, w.input_layernorm, c.rms_norm_eps))
         if plan.fused_decode:
             attn = decode_attention_qkv(qkv, cos, sin, self.index, plan, c.num_heads)

@@ -3,7 +3,9 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace morphserve_cpu {
 
@@ -82,6 +84,49 @@ inline void rows_times_rows(const float* x, int64_t M, const W* w, int64_t K, fl
     rows_times_block<kTileN>(x, M, w, K, y, ldy, K, ahead);
   } else {
     for (int64_t j = 0; j < nt; ++j) rows_times_block<1>(x, M, w + j * K, K, y + j, ldy, K);
+  }
+}
+
+// Rows of x up to which fp16 weights are widened in registers rather than once into a buffer.
+constexpr int64_t kInRegisterRows = 2;
+// Blocks of fp16 weight rows ahead of the one being read that the in-register path prefetches (see tile).
+// fp16 rows are half as long, and the hardware prefetcher alone kept too few lines in flight; for fp32 rows
+// the same prefetch measured no gain and is not used.
+constexpr int64_t kPrefetchBlocks = 4;
+
+inline int64_t num_blocks(int64_t N) { return (N + kTileN - 1) / kTileN; }
+
+inline void widen(const uint16_t* w, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8(w + i));
+  for (; i < n; ++i) out[i] = load1(w + i);
+}
+
+// Blocks [b0, b1) of kTileN output columns of y [M, N] = x [M, K] @ w [N, K]^T: the skinny GEMM's whole work
+// for one thread (skinny_gemm.cpp and the fused decode layer both run it). fp32 weights go straight through
+// the register tile; fp16 weights are widened in registers for up to kInRegisterRows rows, beyond that once
+// per block into `wide` (this thread's buffer, grown here), so every row sees the same fp32 values and sums.
+inline void dense_blocks(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N, int64_t b0,
+                         int64_t b1, std::vector<float>&) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n = b * kTileN;
+    rows_times_rows(x, M, w + n * K, K, y + n, N, std::min<int64_t>(kTileN, N - n));
+  }
+}
+
+inline void dense_blocks(const float* x, int64_t M, const uint16_t* w, int64_t K, float* y, int64_t N, int64_t b0,
+                         int64_t b1, std::vector<float>& wide) {
+  if (M > kInRegisterRows && static_cast<int64_t>(wide.size()) < kTileN * K) wide.resize(kTileN * K);
+  const int64_t full = std::min(b1, N / kTileN);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n = b * kTileN, nt = std::min<int64_t>(kTileN, N - n);
+    if (M <= kInRegisterRows) {
+      const uint16_t* ahead = b + kPrefetchBlocks < full ? w + (n + kPrefetchBlocks * kTileN) * K : nullptr;
+      rows_times_rows(x, M, w + n * K, K, y + n, N, nt, ahead);
+    } else {
+      widen(w + n * K, nt * K, wide.data());
+      rows_times_rows(x, M, wide.data(), K, y + n, N, nt);
+    }
   }
 }
 

@@ -12,13 +12,13 @@
 #include <cmath>
 #include <tuple>
 
-#include "avx2_math.h"
-#include "cpu_tile.h"
+#include "row_ops.h"
 
 namespace {
 
-using morphserve_cpu::exp256;
-using morphserve_cpu::hsum;
+using morphserve_cpu::add_row;
+using morphserve_cpu::rms_norm_row;
+using morphserve_cpu::silu_mul_row;
 
 // Elements below which handing rows to a second thread costs more than it saves (a wake-up is ~10-50 us).
 constexpr int64_t kSerialElements = 1 << 16;
@@ -41,23 +41,6 @@ void for_rows(int64_t rows, int64_t cols, const F& f) {
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) f(r);
   });
-}
-
-// out = x / sqrt(mean(x^2) + eps) * w (HF Llama's RMSNorm, all in fp32).
-void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    const __m256 v = _mm256_loadu_ps(x + k);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float ss = hsum(acc);
-  for (int64_t j = k; j < n; ++j) ss += x[j] * x[j];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  const __m256 iv = _mm256_set1_ps(inv);
-  for (k = 0; k + 8 <= n; k += 8)
-    _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), iv), _mm256_loadu_ps(w + k)));
-  for (int64_t j = k; j < n; ++j) out[j] = x[j] * inv * w[j];
 }
 
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
@@ -85,12 +68,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
   const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
   for_rows(M, N, [&](int64_t r) {
-    float* s = sp + r * N;
-    int64_t k = 0;
-    for (; k + 8 <= N; k += 8)
-      _mm256_storeu_ps(s + k, _mm256_add_ps(_mm256_loadu_ps(ap + r * N + k), _mm256_loadu_ps(bp + r * N + k)));
-    for (; k < N; ++k) s[k] = ap[r * N + k] + bp[r * N + k];
-    rms_norm_row(s, wp, op + r * N, N, static_cast<float>(eps));
+    add_row(ap + r * N, bp + r * N, sp + r * N, N);
+    rms_norm_row(sp + r * N, wp, op + r * N, N, static_cast<float>(eps));
   });
   return {sum, out};
 }
@@ -105,18 +84,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({M, I}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-  for_rows(M, I, [&](int64_t r) {
-    const float *g = gp + r * 2 * I, *u = g + I;
-    float* o = op + r * I;
-    int64_t k = 0;
-    for (; k + 8 <= I; k += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + k);
-      const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
-      _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
-    }
-    for (; k < I; ++k) o[k] = g[k] / (1.f + std::exp(-g[k])) * u[k];
-  });
+  for_rows(M, I, [&](int64_t r) { silu_mul_row(gp + r * 2 * I, op + r * I, I); });
   return out;
 }
 

@@ -19,23 +19,8 @@
 
 namespace {
 
-using morphserve_cpu::kTileN;
-using morphserve_cpu::load1;
-using morphserve_cpu::load8;
-using morphserve_cpu::rows_times_rows;
-
-// Rows of x up to which fp16 weights are widened in registers rather than once into a buffer.
-constexpr int64_t kInRegisterRows = 2;
-// Blocks of fp16 weight rows ahead of the one being read that the in-register path prefetches (tile in
-// cpu_tile.h). fp16 rows are half as long, and the hardware prefetcher alone kept too few lines in flight;
-// for fp32 rows the same prefetch measured no gain and is not used.
-constexpr int64_t kPrefetchBlocks = 4;
-
-void widen(const uint16_t* w, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8(w + i));
-  for (; i < n; ++i) out[i] = load1(w + i);
-}
+using morphserve_cpu::dense_blocks;
+using morphserve_cpu::num_blocks;
 
 at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight) {
   const bool half = weight.scalar_type() == at::kHalf;
@@ -53,34 +38,17 @@ at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight) {
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + kTileN - 1) / kTileN;
+  const int64_t blocks = num_blocks(N);
   // Grain: at least ~16K weights per task so that thread hand-off stays negligible.
-  const int64_t grain = std::max<int64_t>(1, (16384 + kTileN * K - 1) / (kTileN * K));
-  if (!half) {
-    const float* wp = weight.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (16384 + morphserve_cpu::kTileN * K - 1) / (morphserve_cpu::kTileN * K));
+  auto run = [&](const auto* wp) {
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n = b * kTileN;
-        rows_times_rows(xp, M, wp + n * K, K, yp + n, N, std::min<int64_t>(kTileN, N - n));
-      }
+      thread_local std::vector<float> wide;
+      dense_blocks(xp, M, wp, K, yp, N, b0, b1, wide);
     });
-    return y;
-  }
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::Half>());
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> wide(M > kInRegisterRows ? kTileN * K : 0);
-    const int64_t full = std::min(b1, N / kTileN);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * kTileN, nt = std::min<int64_t>(kTileN, N - n);
-      if (M <= kInRegisterRows) {
-        const uint16_t* ahead = b + kPrefetchBlocks < full ? wp + (n + kPrefetchBlocks * kTileN) * K : nullptr;
-        rows_times_rows(xp, M, wp + n * K, K, yp + n, N, nt, ahead);
-      } else {
-        widen(wp + n * K, nt * K, wide.data());
-        rows_times_rows(xp, M, wide.data(), K, yp + n, N, nt);
-      }
-    }
-  });
+  };
+  if (half) run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::Half>()));
+  else run(weight.data_ptr<float>());
   return y;
 }
 

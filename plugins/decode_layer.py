@@ -1,0 +1,59 @@
+"""A whole decoder layer of a pure decode step as one C++ call (csrc/decode_layer.cpp).
+
+The per-op path makes ~9 torch.ops calls per layer and step, each with dispatcher overhead and, when it goes
+parallel, an OpenMP fork and join; the fused op runs the layer in one OpenMP region with barriers between its
+phases, on the same inner loops, so its output is bitwise the per-op path's. It applies where every linear is
+dense (fp32 or fp16-stored weights) or INT4 on the C++ kernels, activations are fp32 and the batch is within
+the skinny kernels' rows (`skinny_gemm.MAX_ROWS`); elsewhere (INT8 layers, CUDA, no kernels, prefill and
+mixed steps) the layer runs op by op. `MORPHSERVE_FUSED_DECODE=0` turns it off (the per-op path, for A/B).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import cpu_kernels, skinny_gemm
+
+DENSE, INT4 = 0, 1  # linear kinds of the op's `meta`
+_EMPTY = torch.empty(0)
+
+
+def enabled() -> bool:
+    return os.environ.get("MORPHSERVE_FUSED_DECODE", "1") != "0"
+
+
+def dense_args(weight: torch.Tensor) -> tuple[list[torch.Tensor], list[int]] | None:
+    """A dense linear's part of the op's arguments, or None where the op cannot run it."""
+    if weight.is_cuda or weight.dtype not in (torch.float32, torch.float16) or not weight.is_contiguous():
+        return None
+    return [weight, _EMPTY, _EMPTY], [DENSE, weight.shape[0], 0]
+
+
+def layer_args(input_norm: torch.Tensor, post_norm: torch.Tensor, linears) -> tuple[list, list] | None:
+    """(tensors, meta) of a layer for `decode_layer`, or None when the layer cannot be fused. `linears`: qkv,
+    o, gate_up, down, each with a `fused_args()` (None when it cannot be fused)."""
+    if cpu_kernels.ops() is None or input_norm.dtype != torch.float32 or input_norm.is_cuda:
+        return None
+    tensors, meta = [input_norm, post_norm], []
+    for op in linears:
+        part = getattr(op, "fused_args", lambda: None)()
+        if part is None:
+            return None
+        tensors += part[0]
+        meta += part[1]
+    return tensors, meta
+
+
+def applies(h: torch.Tensor) -> bool:
+    """Whether this step's activations can take the fused op (read per call, so the switch acts at once)."""
+    return enabled() and h.dtype == torch.float32 and h.dim() == 2 and not h.is_cuda and h.shape[0] <= skinny_gemm.MAX_ROWS
+
+
+def decode_layer(h: torch.Tensor, args: tuple[list, list], cos: torch.Tensor, sin: torch.Tensor, layer: int, plan,
+                 num_heads: int, eps: float) -> torch.Tensor:
+    """h [B, hidden] -> h [B, hidden] for a pure decode step (`plan.fused_decode`); writes the new K/V."""
+    _, segments, segment_of, slot_of, lens = plan.decode_kernel
+    tensors, meta = args
+    return cpu_kernels.ops().decode_layer(h, tensors, meta, cos, sin, segments, segment_of, slot_of, lens, layer,
+                                          plan.head_dim**-0.5, num_heads, eps)
