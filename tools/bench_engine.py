@@ -1,16 +1,19 @@
 """Engine benchmark: prefill and decode throughput, the engine's overhead over its matmuls, memory, swaps.
 
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python -m tools.bench_engine [--fragment-dir DIR] [--batches 1 8 16 32] \
-        [--weight-dtype float16] [--json FILE]
+        [--weight-dtype float16] [--policy full int4] [--threads N] [--json FILE]
 
-Prints one table. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per token over
-the measured read bandwidth); beside every batch the time of the same step's matmuls alone (same shapes, dtype
-and kernel as the engine), so the engine's own overhead shows as a ratio, and the same matmuls with
-`F.linear` (MKL), so the C++ decode kernel's gain shows too. Numbers are medians of one run on a shared machine.
+Prints one table per policy. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per
+token over the measured read bandwidth) and the share of it reached; beside every batch the time of the same
+step's matmuls alone (the engine's own operators: dense kernel or INT4, and the LM head), so the engine's own
+overhead shows as a ratio, and for dense weights the same matmuls with `F.linear` (MKL), so the C++ decode
+kernel's gain shows too. With several policies (e.g. `--policy full int4`) a last table gives each one's tok/s
+per batch over the first's. Numbers are medians of one run on a shared machine.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from engines.build_fragments import default_fragment_dir
 from plugins import cpu_kernels, skinny_gemm
+from plugins import decode_layer as fused_decode
 from trtllm_backend.config import EngineConfig
 from trtllm_backend.engine import LLMEngine
 from trtllm_backend.sampling import SamplingParams
@@ -45,25 +49,34 @@ def read_bandwidth() -> float:
     return buf.numel() * 4 / median_time(buf.sum, 5)
 
 
-def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype | None = None, linear=skinny_gemm.linear) -> float:
-    """The step's matmuls only: every layer's fused qkv, o, gate_up, down, and the LM head, for `batch` rows,
-    through `linear` (default: the engine's own dispatch), on the weights as the engine stores them or on
-    copies in `dtype`."""
+def _in_features(op) -> int:
+    return op.weight.shape[1] if hasattr(op, "weight") else op.in_features
+
+
+def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype | None = None, linear=None) -> float:
+    """The step's matmuls only: every layer's fused qkv, o, gate_up, down, and the LM head, for `batch` rows.
+    `linear` None: each layer's own operator as the engine binds it (dense kernel or INT4); else
+    `linear(x, weight)` on the dense weights as stored or on copies in `dtype` (nan if a layer is not dense)."""
     act = dtype or engine.config.torch_dtype
-    ws = []
-    for s in engine.model.slots:
-        w = s.weights
-        ws += [w.qkv.weight, w.o.weight, w.gate_up.weight, w.down.weight]
-    ws.append(engine.model.lm_head)
-    if dtype is not None:
-        ws = [w.to(dtype) for w in ws]
-    ws, head = ws[:-1], ws[-1]
-    xs = {n: torch.randn(batch, n, dtype=act) for n in {w.shape[1] for w in ws}}
+    ops = [op for s in engine.model.slots for op in (s.weights.qkv, s.weights.o, s.weights.gate_up, s.weights.down)]
+    head = engine.model.lm_head
+    head_call = head if not isinstance(head, torch.Tensor) else (lambda x: skinny_gemm.linear(x, head))
+    head_in = head.shape[1] if isinstance(head, torch.Tensor) else _in_features(head)
+    if linear is None and dtype is None:
+        calls = [(op, _in_features(op)) for op in ops] + [(head_call, head_in)]
+    else:
+        if not all(hasattr(op, "weight") for op in ops) or not isinstance(head, torch.Tensor):
+            return float("nan")
+        ws = [op.weight for op in ops] + [head]
+        if dtype is not None:
+            ws = [w.to(dtype) for w in ws]
+        lin = linear or skinny_gemm.linear
+        calls = [((lambda x, w=w: lin(x, w)), w.shape[1]) for w in ws]
+    xs = {n: torch.randn(batch, n, dtype=act) for n in {k for _, k in calls}}
 
     def run():
-        for w in ws:
-            linear(xs[w.shape[1]], w)
-        linear(xs[head.shape[1]], head)
+        for fn, k in calls:
+            fn(xs[k])
 
     with torch.inference_mode():
         return median_time(run, 7)
@@ -92,10 +105,10 @@ def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
     return len(engine.tokenizer.encode(prompt)) / median_time(once, 3, warmup=1)
 
 
-def swap_latencies(frag_dir: str, weight_dtype: str, layers: int = 4) -> list[tuple[float, float]]:
+def swap_latencies(frag_dir: str, weight_dtype: str, layers: int = 4, threads: int | None = None) -> list[tuple[float, float]]:
     """(prepare_s, apply_s) of `layers` forced swaps down, then as many restores (after one short request
     moves the engine to iteration 1)."""
-    engine = LLMEngine(EngineConfig(fragment_dir=frag_dir, morph_policy="full", weight_dtype=weight_dtype,
+    engine = LLMEngine(EngineConfig(fragment_dir=frag_dir, morph_policy="full", weight_dtype=weight_dtype, num_threads=threads,
                                     force_morph=f"down:{layers}@0,up:{layers}@1"))
     if not engine.settle_morph():
         raise RuntimeError("forced swaps down did not finish")
@@ -112,45 +125,74 @@ def peak_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 
 
+def bench_policy(args, policy: str) -> dict:
+    """One engine with `policy`: prefill, then per batch the decode step, its matmuls alone and the floor."""
+    engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=policy, max_batch_size=max(args.batches),
+                                    weight_dtype=args.weight_dtype, num_threads=args.threads))
+    dtype = engine.config.torch_dtype
+    print(f"[bench] policy={policy} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
+          f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'} "
+          f"fused decode layer={'yes' if cpu_kernels.ops() is not None and fused_decode.enabled() else 'no'}")
+    bw = read_bandwidth()
+    weight_bytes = engine.model.weights_nbytes
+    rows = {"policy": policy, "bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes,
+            "weight_dtype": str(engine.config.weight_torch_dtype), "threads": torch.get_num_threads(), "decode": []}
+    rows["prefill_tok_s"] = prefill_rate(engine)
+    print(f"[bench] read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {weight_bytes / 1e6:.0f} MB; prefill {rows['prefill_tok_s']:.0f} tok/s (512-token prompt)")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'matmuls ms':>11} {'step/matmuls':>13} {'MKL matmuls ms':>15} {'floor tok/s':>12} {'of floor':>9}")
+    for b in args.batches:
+        step = decode_step_time(engine, b)
+        mm = matmuls_alone(engine, b)
+        mkl = matmuls_alone(engine, b, dtype, F.linear)
+        floor = bw / weight_bytes if b == 1 else None
+        rows["decode"].append({"batch": b, "step_s": step, "tok_s": b / step, "matmuls_s": mm, "mkl_matmuls_s": mkl,
+                               "floor_tok_s": floor, "share_of_floor": (b / step) / floor if floor else None})
+        fl = f"{floor:12.1f} {b / step / floor:9.0%}" if floor else f"{'':>12} {'':>9}"
+        print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {mkl * 1e3:15.1f} {fl}")
+    if policy == "full":
+        f32, bf16 = matmuls_alone(engine, 1, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 1, torch.bfloat16, F.linear)
+        f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 16, torch.bfloat16, F.linear)
+        # NOTE: fp32 goes through the engine's kernel, bf16 through MKL (the kernel is fp32 only).
+        rows["dtype_choice"] = {"fp32_b1": f32, "bf16_b1": bf16, "fp32_b16": f32_16, "bf16_b16": bf16_16}
+        print(f"[bench] dtype check, all matmuls of a step: batch 1 fp32 {f32 * 1e3:.1f} ms vs bf16 {bf16 * 1e3:.1f} ms; batch 16 fp32 {f32_16 * 1e3:.1f} vs bf16 {bf16_16 * 1e3:.1f} ms")
+    return rows
+
+
+def compare(results: list[dict]) -> dict:
+    """Each policy's decode tok/s per batch over the first policy's (e.g. all-INT4 over full)."""
+    base = results[0]
+    out = {}
+    print(f"[bench] decode tok/s per batch, each policy over {base['policy']} (same run, same weight dtype)")
+    print(f"{'batch':>5} " + " ".join(f"{r['policy'] + ' tok/s':>14}" for r in results) + " "
+          + " ".join(f"{r['policy'] + '/' + base['policy']:>14}" for r in results[1:]))
+    for i, row in enumerate(base["decode"]):
+        tok = [r["decode"][i]["tok_s"] for r in results]
+        out[row["batch"]] = {r["policy"]: t / tok[0] for r, t in zip(results[1:], tok[1:])}
+        print(f"{row['batch']:>5} " + " ".join(f"{t:14.1f}" for t in tok) + " " + " ".join(f"{t / tok[0]:14.2f}" for t in tok[1:]))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
-    ap.add_argument("--policy", default="full", help="morph policy of the measured engine (full, int4, int4:N)")
+    ap.add_argument("--policy", nargs="+", default=["full"],
+                    help="morph policies measured in turn (full, int4, int4:N); ratios to the first are printed")
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=args.policy, max_batch_size=max(args.batches),
-                                    weight_dtype=args.weight_dtype))
-    dtype = engine.config.torch_dtype
-    print(f"[bench] policy={args.policy} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
-          f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'}")
-    bw = read_bandwidth()
-    weight_bytes = engine.model.weights_nbytes
-    rows = {"bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "weight_dtype": str(engine.config.weight_torch_dtype),
-            "decode": []}
-    rows["prefill_tok_s"] = prefill_rate(engine)
-    print(f"[bench] read bandwidth {bw / 1e9:.1f} GB/s; weights read per step {weight_bytes / 1e6:.0f} MB; prefill {rows['prefill_tok_s']:.0f} tok/s (512-token prompt)")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'matmuls ms':>11} {'step/matmuls':>13} {'MKL matmuls ms':>15} {'floor tok/s':>12}")
-    for b in args.batches:
-        step = decode_step_time(engine, b)
-        full = args.policy == "full"
-        mm = matmuls_alone(engine, b) if full else float("nan")
-        mkl = matmuls_alone(engine, b, dtype, F.linear) if full else float("nan")
-        floor = bw / weight_bytes if b == 1 else None
-        rows["decode"].append({"batch": b, "step_s": step, "tok_s": b / step, "matmuls_s": mm, "mkl_matmuls_s": mkl,
-                               "floor_tok_s": floor})
-        fl = f"{floor:12.1f}" if floor else f"{'':>12}"
-        print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {mkl * 1e3:15.1f} {fl}")
-    if args.policy == "full":
-        f32, bf16 = matmuls_alone(engine, 1, torch.float32), matmuls_alone(engine, 1, torch.bfloat16)
-        f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32), matmuls_alone(engine, 16, torch.bfloat16)
-        # NOTE: fp32 goes through the engine's kernel, bf16 through MKL (the kernel is fp32 only).
-        rows["dtype_choice"] = {"fp32_b1": f32, "bf16_b1": bf16, "fp32_b16": f32_16, "bf16_b16": bf16_16}
-        print(f"[bench] dtype check, all matmuls of a step: batch 1 fp32 {f32 * 1e3:.1f} ms vs bf16 {bf16 * 1e3:.1f} ms; batch 16 fp32 {f32_16 * 1e3:.1f} vs bf16 {bf16_16 * 1e3:.1f} ms")
-    del engine
-    swaps = swap_latencies(args.fragment_dir, args.weight_dtype)
+    results = []
+    for policy in args.policy:
+        results.append(bench_policy(args, policy))
+        gc.collect()  # the engine and its weights go before the next one loads
+    rows = dict(results[0])  # the first policy's figures stay at the top level (deploy/sizing.py reads them)
+    if len(results) > 1:
+        rows["by_policy"] = results
+        rows["tok_s_over_first"] = compare(results)
+    swaps = swap_latencies(args.fragment_dir, args.weight_dtype, threads=args.threads)
     if swaps:
         prep = [p for p, _ in swaps]
         apply = [a for _, a in swaps]
