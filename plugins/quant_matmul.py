@@ -107,7 +107,7 @@ class Int4Linear:
     """
 
     __slots__ = ("in_features", "out_features", "group_size", "_packed", "_scales_zeros", "_pre_scale", "_mm",
-                 "_cpp")
+                 "_cpp", "nbytes")
 
     def __init__(self, tensors: dict[str, Tensor], prefix: str = ""):
         qweight = tensors[prefix + "qweight"].contiguous()  # its device decides the kernel
@@ -132,6 +132,8 @@ class Int4Linear:
         else:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight), 1)
             self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        # Resident bytes, counted once: the engine reads every layer's bytes each iteration (morph, invariants).
+        self.nbytes = _nbytes(self._packed, self._scales_zeros, self._pre_scale)
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], prefix: str = "") -> "Int4Linear":
@@ -163,10 +165,6 @@ class Int4Linear:
             return None
         pre = self._pre_scale if self._pre_scale is not None else torch.empty(0)
         return [self._packed, self._scales_zeros, pre], [1, self.out_features, self.group_size]
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self._packed, self._scales_zeros, self._pre_scale)
 
 
 class Int8Linear:

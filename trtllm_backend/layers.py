@@ -25,6 +25,8 @@ class DenseLinear:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.contiguous()
+        # Counted once: the engine reads every layer's bytes each iteration (morph, invariants).
+        self.nbytes = self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_gemm.linear(x, self.weight)
@@ -32,9 +34,6 @@ class DenseLinear:
     def fused_args(self):
         return fused.dense_args(self.weight)
 
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
 
 
 @dataclass(slots=True)

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_tile.h"
+
 namespace morphserve_cpu {
 namespace int4 {
 
@@ -55,13 +57,6 @@ template <int J>
 inline __m256 nibble_in_place(__m256i v) {
   if (J == 7) return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
   return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * J))));
-}
-
-// x[k] * 16^-(k % 8) (k % 8 < 7), x[k] otherwise: the partner of nibble_in_place.
-inline void prescale(const float* x, float* out, int64_t n) {
-  static constexpr float kScale[8] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
-                                      1.f / 16777216, 1.f};
-  for (int64_t k = 0; k < n; ++k) out[k] = x[k] * kScale[k % 8];
 }
 
 // part[m][b] += x[m, k..k+8) . q[block b][k..k+8), for one 8-input chunk, q from registers.
@@ -169,30 +164,37 @@ inline void tile(const Packed& p, int64_t b0, const float* x, int64_t M, const f
     int64_t m = 0;
     for (; m + kBufRows <= M; m += kBufRows)
       group_buf<kBufRows, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
-    for (; m < M; ++m) group_buf<1, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
+    if (M - m == 2) group_buf<2, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
+    else if (M - m == 1) group_buf<1, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
   }
   const int64_t n0 = b0 * kLanes, nt = std::min<int64_t>(ldt, N - n0);
   for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, tot + m * ldt, sizeof(float) * nt);
 }
 
-// An input ready for the tiles: x * pre_scale (when given; the same fp32 products torch's multiply gives),
-// per row and group sum(x_g) in a fixed order (the zero-point term), and x pre-scaled for nibble_in_place.
-// `scaled` [M * K] scratch is used only with a pre_scale; `xsum` [M * groups], `xs` [M * K].
+// An input ready for the tiles, row by row: x * pre_scale (when given; the same fp32 products torch's multiply
+// gives), per group sum(x_g) (the zero-point term; 8 lanes then their sum, a fixed order per row), and x
+// pre-scaled for nibble_in_place. K and G are multiples of 8 (check_packed). `scaled` [M * K] scratch is used
+// only with a pre_scale; `xsum` [M * groups], `xs` [M * K].
 inline void prepare_input(const float* x, int64_t M, int64_t K, int64_t G, const float* pre_scale, float* scaled,
                           float* xsum, float* xs) {
-  const float* xr = x;
-  if (pre_scale != nullptr) {
-    for (int64_t i = 0; i < M * K; ++i) scaled[i] = x[i] * pre_scale[i % K];
-    xr = scaled;
-  }
+  const __m256 pow16 = _mm256_setr_ps(1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
+                                      1.f / 16777216, 1.f);  // x[k] * 16^-(k % 8) for k % 8 < 7: the partner of nibble_in_place
   const int64_t groups = K / G;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) s += xr[m * K + k];
-      xsum[m * groups + g] = s;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    if (pre_scale != nullptr) {
+      float* sr = scaled + m * K;
+      for (int64_t k = 0; k < K; k += 8)
+        _mm256_storeu_ps(sr + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(pre_scale + k)));
+      xr = sr;
     }
-  prescale(xr, xs, M * K);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc = _mm256_loadu_ps(xr + g * G);
+      for (int64_t k = g * G + 8; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xr + k));
+      xsum[m * groups + g] = hsum(acc);
+    }
+    for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xs + m * K + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), pow16));
+  }
 }
 
 inline Packed check_packed(const at::Tensor& packed, const at::Tensor& affine, int64_t N, int64_t G) {
