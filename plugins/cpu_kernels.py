@@ -8,7 +8,7 @@
   (plugins/quant_matmul.py).
 - `morphserve::rms_norm`, `add_rms_norm`, `silu_mul` (layer_elementwise.cpp): a layer's row-wise ops
   (plugins/elementwise.py).
-- `morphserve::decode_layer` (decode_layer.cpp): a whole decoder layer of a pure decode step in one call, one
+- `morphserve::decode_layers` (decode_layer.cpp): the decoder layers of a pure decode step in one call, one
   OpenMP region with barriers between phases, on the same inner loops as the ops above (plugins/decode_layer.py).
 
 They are compiled with the platform's C++ compiler into `build/kernels/` by `python -m plugins.cpu_kernels`

@@ -1,11 +1,11 @@
-"""A whole decoder layer of a pure decode step as one C++ call (csrc/decode_layer.cpp).
+"""The decoder layers of a pure decode step as one C++ call (csrc/decode_layer.cpp).
 
 The per-op path makes ~9 torch.ops calls per layer and step, each with dispatcher overhead and, when it goes
-parallel, an OpenMP fork and join; the fused op runs the layer in one OpenMP region with barriers between its
-phases, on the same inner loops, so its output is bitwise the per-op path's. It applies where every linear is
+parallel, an OpenMP fork and join; the fused op runs all the step's layers in one OpenMP region with barriers
+between their phases, on the same inner loops, so its output is bitwise the per-op path's. It applies where every linear is
 dense (fp32 or fp16-stored weights) or INT4 on the C++ kernels, activations are fp32 and the batch is within
 the skinny kernels' rows (`skinny_gemm.MAX_ROWS`); elsewhere (INT8 layers, CUDA, no kernels, prefill and
-mixed steps) the layer runs op by op. `MORPHSERVE_FUSED_DECODE=0` turns it off (the per-op path, for A/B).
+mixed steps) that layer runs op by op (trtllm_backend.layers.run_layers fuses the runs of layers between). `MORPHSERVE_FUSED_DECODE=0` turns it off (the per-op path, for A/B).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def dense_args(weight: torch.Tensor) -> tuple[list[torch.Tensor], list[int]] | N
 
 
 def layer_args(input_norm: torch.Tensor, post_norm: torch.Tensor, linears) -> tuple[list, list] | None:
-    """(tensors, meta) of a layer for `decode_layer`, or None when the layer cannot be fused. `linears`: qkv,
+    """(tensors, meta) of a layer for `decode_layers`, or None when the layer cannot be fused. `linears`: qkv,
     o, gate_up, down, each with a `fused_args()` (None when it cannot be fused)."""
     if cpu_kernels.ops() is None or input_norm.dtype != torch.float32 or input_norm.is_cuda:
         return None
@@ -50,10 +50,12 @@ def applies(h: torch.Tensor) -> bool:
     return enabled() and h.dtype == torch.float32 and h.dim() == 2 and not h.is_cuda and h.shape[0] <= skinny_gemm.MAX_ROWS
 
 
-def decode_layer(h: torch.Tensor, args: tuple[list, list], cos: torch.Tensor, sin: torch.Tensor, layer: int, plan,
-                 num_heads: int, eps: float) -> torch.Tensor:
-    """h [B, hidden] -> h [B, hidden] for a pure decode step (`plan.fused_decode`); writes the new K/V."""
+def decode_layers(h: torch.Tensor, layers: list[tuple[int, tuple[list, list]]], cos: torch.Tensor, sin: torch.Tensor,
+                  plan, num_heads: int, eps: float) -> torch.Tensor:
+    """h [B, hidden] -> h [B, hidden] through `layers` ((pool layer index, `layer_args`) each, in order) for a
+    pure decode step (`plan.fused_decode`); writes each layer's new K/V."""
     _, segments, segment_of, slot_of, lens = plan.decode_kernel
-    tensors, meta = args
-    return cpu_kernels.ops().decode_layer(h, tensors, meta, cos, sin, segments, segment_of, slot_of, lens, layer,
-                                          plan.head_dim**-0.5, num_heads, eps)
+    tensors = [t for _, (ts, _) in layers for t in ts]
+    meta = [m for _, (_, ms) in layers for m in ms]
+    return cpu_kernels.ops().decode_layers(h, tensors, meta, [i for i, _ in layers], cos, sin, segments, segment_of,
+                                           slot_of, lens, plan.head_dim**-0.5, num_heads, eps)

@@ -160,7 +160,7 @@ class Int4Linear:
                           x, self.out_features)
 
     def fused_args(self) -> tuple[list[Tensor], list[int]] | None:
-        """This linear's part of `plugins.decode_layer`'s arguments (C++ packing only), else None."""
+        """This linear's part of `plugins.decode_layer.decode_layers`' arguments (C++ packing only), else None."""
         if self._cpp is None:
             return None
         pre = self._pre_scale if self._pre_scale is not None else torch.empty(0)

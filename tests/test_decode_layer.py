@@ -51,8 +51,8 @@ def _run(weights: LayerWeights, lens: list[int], use_fused: bool, monkeypatch, t
     """One decode step of layer 1 over sequences `lens` on a fresh pool: (output, the pool's segments)."""
     monkeypatch.setenv("MORPHSERVE_FUSED_DECODE", "1" if use_fused else "0")
     calls = []
-    real = fused.decode_layer
-    monkeypatch.setattr(fused, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fused.decode_layers
+    monkeypatch.setattr(fused, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     pool, tables = _pool_with_sequences(lens)
     h = torch.randn(len(lens), CFG.hidden_size, generator=torch.Generator().manual_seed(7))
     _, cos, sin = _fused_inputs(lens)
@@ -65,7 +65,7 @@ def _run(weights: LayerWeights, lens: list[int], use_fused: bool, monkeypatch, t
         out = LayerSlot(1, CFG, weights).forward(h[rows], cos[rows], sin[rows], plan)
     finally:
         torch.set_num_threads(before)
-    monkeypatch.setattr(fused, "decode_layer", real)
+    monkeypatch.setattr(fused, "decode_layers", real)
     assert bool(calls) == (use_fused if expect_fused is None else expect_fused), "fused op use not as expected"
     return out, [s.kv.clone() for s in pool.segments]
 
@@ -100,6 +100,38 @@ def test_int8_layers_and_the_switch_keep_the_per_op_path(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_stack_of_layers_is_one_call_per_run_of_fusable_layers_and_bitwise_the_per_op_stack(threads, monkeypatch):
+    from trtllm_backend.layers import run_layers
+
+    lens = [6, 17, 2]
+    stacks = {"all fusable": ["int4", "fp16", "fp32", "int4"], "int8 in the middle": ["fp16", "int8", "int4"]}
+    for name, kinds in stacks.items():
+        slots = [LayerSlot(i % CFG.num_layers, CFG, _layer(k)) for i, k in enumerate(kinds)]
+        outs = {}
+        for use in ("0", "1"):
+            monkeypatch.setenv("MORPHSERVE_FUSED_DECODE", use)
+            calls = []
+            real = fused.decode_layers
+            monkeypatch.setattr(fused, "decode_layers", lambda h, layers, *a: calls.append(len(layers)) or real(h, layers, *a))
+            pool, tables = _pool_with_sequences(lens)
+            plan = _decode_plan(pool, tables, lens)
+            h = torch.randn(len(lens), CFG.hidden_size, generator=torch.Generator().manual_seed(2))
+            _, cos, sin = _fused_inputs(lens)
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                outs[use] = (run_layers(slots, h, cos, sin, plan), [s.kv.clone() for s in pool.segments], calls)
+            finally:
+                torch.set_num_threads(before)
+                monkeypatch.setattr(fused, "decode_layers", real)
+        assert outs["0"][2] == []
+        assert outs["1"][2] == ([4] if name == "all fusable" else [1, 1]), name
+        assert torch.equal(outs["0"][0], outs["1"][0]), name
+        assert all(torch.equal(a, b) for a, b in zip(outs["0"][1], outs["1"][1])), name
+
+
+@needs_kernels
 def test_engine_decode_logits_are_bitwise_the_same_fused_or_not(monkeypatch):
     from engine_fixtures import PROMPTS, make_engine
 
@@ -107,8 +139,8 @@ def test_engine_decode_logits_are_bitwise_the_same_fused_or_not(monkeypatch):
 
     engine = make_engine()  # fp32: the logits the reference tests hold to transformers'
     rows, calls = {}, []
-    real = fused.decode_layer
-    monkeypatch.setattr(fused, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fused.decode_layers
+    monkeypatch.setattr(fused, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     for use in ("0", "1"):
         monkeypatch.setenv("MORPHSERVE_FUSED_DECODE", use)
         rows[use] = []
@@ -133,16 +165,20 @@ def test_fused_layer_rejects_bad_input_before_writing():
     h = torch.randn(1, CFG.hidden_size)
     _, cos, sin = _fused_inputs(lens)
     before = [s.kv.clone() for s in pool.segments]
-    op = ns.decode_layer
+    op = ns.decode_layers
 
-    def call(tensors=tensors, meta=meta, h=h, cos=cos, slot_of=slot_of, heads=CFG.num_heads):
-        return op(h, tensors, meta, cos, sin, segments, seg_of, slot_of, lens_t, 1, 0.3, heads, 1e-5)
+    def call(tensors=tensors, meta=meta, layers=(1,), h=h, cos=cos, slot_of=slot_of, heads=CFG.num_heads):
+        return op(h, tensors, meta, list(layers), cos, sin, segments, seg_of, slot_of, lens_t, 0.3, heads, 1e-5)
 
-    with pytest.raises(RuntimeError, match="14 weight tensors and 12 meta ints"):
+    with pytest.raises(RuntimeError, match="14 weight tensors and 12 meta ints per layer expected for 1 layers"):
         call(meta=meta[:-1])
+    with pytest.raises(RuntimeError, match="expected for 2 layers"):
+        call(layers=(0, 1))
+    with pytest.raises(RuntimeError, match="layer 2 out of range"):
+        call(tensors=tensors * 2, meta=meta * 2, layers=(1, 2))
     with pytest.raises(RuntimeError, match="unknown kind 7"):
         call(meta=[7] + meta[1:])
-    with pytest.raises(RuntimeError, match="qkv weight must be a contiguous fp32 or fp16"):
+    with pytest.raises(RuntimeError, match="layer 1 qkv weight must be a contiguous fp32 or fp16"):
         call(tensors=tensors[:2] + [tensors[2].t()] + tensors[3:])
     with pytest.raises(RuntimeError, match="points outside the pool"):
         call(slot_of=torch.full_like(slot_of, 999))

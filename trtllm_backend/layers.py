@@ -80,7 +80,7 @@ class LayerSlot:
         self.config = config
         self.weights = weights
         self.precision = precision
-        self._fused: tuple | None = None  # decode_layer's arguments for `weights`, built on first use
+        self._fused: tuple | None = None  # fused_args() for `weights`, built on first use
 
     def bind(self, weights: LayerWeights, precision: str) -> LayerWeights:
         """Rebind to another fragment (engine thread, between iterations); returns the old weights."""
@@ -88,15 +88,19 @@ class LayerSlot:
         self._fused = None
         return old
 
+    def fused_args(self) -> tuple[list, list] | None:
+        """This layer's arguments for plugins.decode_layer (None: it runs op by op), kept until a rebind."""
+        if self._fused is None:
+            w = self.weights
+            self._fused = (fused.layer_args(w.input_layernorm, w.post_attention_layernorm, (w.qkv, w.o, w.gate_up, w.down)),)
+        return self._fused[0]
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """h [T, hidden] -> h [T, hidden]; cos/sin [T, D/2] at each token's position."""
         c, w = self.config, self.weights
-        if plan.fused_decode and fused.applies(h):
-            if self._fused is None:
-                args = fused.layer_args(w.input_layernorm, w.post_attention_layernorm, (w.qkv, w.o, w.gate_up, w.down))
-                self._fused = (args,)
-            if self._fused[0] is not None:  # the whole layer in one call (bitwise the per-op path below)
-                return fused.decode_layer(h, self._fused[0], cos, sin, self.index, plan, c.num_heads, c.rms_norm_eps)
+        if plan.fused_decode and fused.applies(h) and (args := self.fused_args()) is not None:
+            # the whole layer in one call (bitwise the per-op path below)
+            return fused.decode_layers(h, [(self.index, args)], cos, sin, plan, c.num_heads, c.rms_norm_eps)
         qkv = w.qkv(rms_norm(h, w.input_layernorm, c.rms_norm_eps))
         if plan.fused_decode:
             attn = decode_attention_qkv(qkv, cos, sin, self.index, plan, c.num_heads)
@@ -114,3 +118,23 @@ class LayerSlot:
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, q_dim + kv_dim :].view(T, c.num_kv_heads, c.head_dim)
         return paged_attention(q, k.to(plan.kv_dtype), v.to(plan.kv_dtype), self.index, plan).reshape(T, q_dim)
+
+
+def run_layers(slots: list[LayerSlot], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """h through every slot in turn. In a pure decode step that the fused op takes, each run of consecutive
+    fusable layers is one C++ call (all of them, unless some layer is INT8); the others run op by op."""
+    if not (plan.fused_decode and fused.applies(h)):
+        for slot in slots:
+            h = slot.forward(h, cos, sin, plan)
+        return h
+    c = slots[0].config
+    run: list[tuple[int, tuple]] = []
+    for slot in slots:
+        if (args := slot.fused_args()) is not None:
+            run.append((slot.index, args))
+            continue
+        if run:
+            h = fused.decode_layers(h, run, cos, sin, plan, c.num_heads, c.rms_norm_eps)
+            run = []
+        h = slot.forward(h, cos, sin, plan)
+    return fused.decode_layers(h, run, cos, sin, plan, c.num_heads, c.rms_norm_eps) if run else h

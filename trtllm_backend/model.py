@@ -9,7 +9,7 @@ from plugins.elementwise import rms_norm
 
 from .attention import AttentionPlan
 from .fragments import FragmentStore
-from .layers import LayerSlot
+from .layers import LayerSlot, run_layers
 from .manifest import ModelConfig
 
 
@@ -43,7 +43,6 @@ class LlamaModel:
         """Flattened tokens of all scheduled sequences -> fp32 logits of the rows that sample."""
         h = F.embedding(input_ids, self.embed).to(self.norm.dtype)  # fp16-stored embedding -> compute dtype
         cos, sin = self.cos[positions], self.sin[positions]
-        for slot in self.slots:
-            h = slot.forward(h, cos, sin, plan)
+        h = run_layers(self.slots, h, cos, sin, plan)
         h = rms_norm(h.index_select(0, logit_rows), self.norm, self.config.rms_norm_eps)
         return skinny_gemm.linear(h, self.lm_head).float()

@@ -1,21 +1,24 @@
-// A whole decoder layer for a pure decode step in one call: RMSNorm, the fused q|k|v projection, RoPE, the new
-// K/V's pool write and paged attention, the o projection, the residual add with the next RMSNorm, gate|up,
-// SwiGLU, down and the last residual add.
+// The decoder layers of a pure decode step in one call: per layer RMSNorm, the fused q|k|v projection, RoPE,
+// the new K/V's pool write and paged attention, the o projection, the residual add with the next RMSNorm,
+// gate|up, SwiGLU, down and the last residual add; the model passes all its layers at once.
 //
 // Why: the per-op path makes ~9 torch.ops calls per layer and step (270 for SmolLM2's 30 layers), each paying
-// the dispatcher and, when it goes parallel, an OpenMP fork and join. At batch 1 that overhead was ~29% on top
-// of the matmuls (step/matmuls 1.29). Here one OpenMP parallel region spans the layer: each phase splits its
-// work over the team (linears by blocks of output columns, attention by (row, KV head), row-wise ops by rows)
-// and a barrier separates dependent phases. With one thread there is no region at all.
+// the dispatcher and, when it goes parallel, an OpenMP fork and join; at batch 1 that was ~29% on top of the
+// matmuls (step/matmuls 1.29). Here one OpenMP parallel region spans the step: each phase splits its work over
+// the team (linears by blocks of output columns, attention by (row, KV head), row-wise ops by rows) and a
+// barrier separates dependent phases (a layer's last phase and the next one's first split rows the same way,
+// so they need none). With one thread there is no region at all. Arguments are parsed and checked once per
+// call, not per layer (a call with 14 tensors costs ~10 us of parsing alone).
 //
 // The arithmetic is the per-op kernels' own (cpu_tile.h, int4_tile.h, row_ops.h, paged_attention_core.h): each
-// output is computed by the same loop in the same order whatever the thread split, so a layer's result is
-// bitwise the per-op path's, and a row's result does not depend on its batch.
+// output is computed by the same loop in the same order whatever the thread split, so the result is bitwise
+// the per-op path's, and a row's result does not depend on its batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "cpu_tile.h"
@@ -32,39 +35,43 @@ using morphserve_cpu::silu_mul_row;
 using namespace morphserve_cpu::attn;
 
 constexpr int64_t kDense = 0, kInt4 = 1;  // linear kinds in `meta`
-constexpr const char* kOp = "decode_layer";
+constexpr int64_t kTensorsPerLayer = 14, kMetaPerLayer = 12;
+constexpr const char* kOp = "decode_layers";
 
-// One of the layer's linears: dense (fp32 or fp16-stored weight [N, K]) or INT4 (int4_pack's blocks).
+// An INT4 linear's prepared input (int4::prepare_input): one set serves every linear in turn, as each is
+// prepared in the phase just before its own.
+struct Prep {
+  std::vector<float> scaled, xsum, xs;
+};
+
+// One of a layer's linears: dense (fp32 or fp16-stored weight [N, K]) or INT4 (int4_pack's blocks).
 struct Linear {
   int64_t kind = kDense, N = 0, K = 0;
   const float* wf = nullptr;
   const uint16_t* wh = nullptr;
   int4::Packed p{};
   const float* pre_scale = nullptr;
-  // INT4's prepared input (int4::prepare_input): [M * K] scaled (with a pre-scale), [M * groups], [M * K].
-  std::vector<float> scaled, xsum, xs;
 
   int64_t units() const { return kind == kDense ? morphserve_cpu::num_blocks(N) : int4::num_tiles(p); }
 
-  // Row r of this linear's input x [M, K], before the matmul: INT4 prepares it (one row alone gives the same
-  // values as all rows at once: every step is per row).
-  void prepare_row(const float* x, int64_t r) {
+  // Row r of this linear's input x [M, K], before the matmul: INT4 prepares it (per row, as prepare_input
+  // works row by row anyway).
+  void prepare_row(const float* x, int64_t r, Prep& s) const {
     if (kind != kInt4) return;
-    const int64_t G = p.G;
-    int4::prepare_input(x + r * K, 1, K, G, pre_scale, scaled.data() + (pre_scale ? r * K : 0),
-                        xsum.data() + r * p.groups, xs.data() + r * K);
+    int4::prepare_input(x + r * K, 1, K, p.G, pre_scale, s.scaled.data() + r * K, s.xsum.data() + r * p.groups,
+                        s.xs.data() + r * K);
   }
 
   // Output units [u0, u1) of y [M, N] = x [M, K] @ W^T (x already prepared for INT4).
-  void run(const float* x, int64_t M, float* y, int64_t u0, int64_t u1) const {
+  void run(const float* x, int64_t M, float* y, int64_t u0, int64_t u1, const Prep& s) const {
     thread_local std::vector<float> buf;
-    if (kind == kInt4) int4::run_tiles(p, u0, u1, xs.data(), M, xsum.data(), y, N, buf);
+    if (kind == kInt4) int4::run_tiles(p, u0, u1, s.xs.data(), M, s.xsum.data(), y, N, buf);
     else if (wh != nullptr) morphserve_cpu::dense_blocks(x, M, wh, K, y, N, u0, u1, buf);
     else morphserve_cpu::dense_blocks(x, M, wf, K, y, N, u0, u1, buf);
   }
 };
 
-Linear linear_of(at::TensorList w, int64_t kind, int64_t N, int64_t G, int64_t K, int64_t M,
+Linear linear_of(at::TensorList w, int64_t kind, int64_t N, int64_t G, int64_t K, int64_t M, int64_t layer,
                  const char* name) {
   Linear l;
   l.kind = kind;
@@ -74,26 +81,29 @@ Linear linear_of(at::TensorList w, int64_t kind, int64_t N, int64_t G, int64_t K
     const at::Tensor& t = w[0];
     TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.size(0) == N && t.size(1) == K &&
                     (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
-                kOp, ": ", name, " weight must be a contiguous fp32 or fp16 [", N, ", ", K, "] tensor, got ",
-                t.scalar_type(), " ", t.sizes());
+                kOp, ": layer ", layer, " ", name, " weight must be a contiguous fp32 or fp16 [", N, ", ", K,
+                "] tensor, got ", t.scalar_type(), " ", t.sizes());
     if (t.scalar_type() == at::kHalf) l.wh = reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
     else l.wf = t.data_ptr<float>();
     return l;
   }
-  TORCH_CHECK(kind == kInt4, kOp, ": ", name, " has unknown kind ", kind, " (0 dense, 1 int4)");
+  TORCH_CHECK(kind == kInt4, kOp, ": layer ", layer, " ", name, " has unknown kind ", kind, " (0 dense, 1 int4)");
   TORCH_CHECK(M <= int4::kMaxRows, kOp, ": ", M, " rows exceed the INT4 skinny limit ", int4::kMaxRows);
   l.p = int4::check_packed(w[0], w[1], N, G);
-  TORCH_CHECK(l.p.K == K, kOp, ": ", name, " packed weight takes ", l.p.K, " features, the layer gives ", K);
+  TORCH_CHECK(l.p.K == K, kOp, ": layer ", layer, " ", name, " packed weight takes ", l.p.K, " features, the layer gives ", K);
   if (w[2].numel() > 0) {
     TORCH_CHECK(w[2].scalar_type() == at::kFloat && w[2].dim() == 1 && w[2].size(0) == K && w[2].is_contiguous(),
-                kOp, ": ", name, " pre_scale must be a contiguous fp32 [", K, "] vector");
+                kOp, ": layer ", layer, " ", name, " pre_scale must be a contiguous fp32 [", K, "] vector");
     l.pre_scale = w[2].data_ptr<float>();
-    l.scaled.resize(M * K);
   }
-  l.xsum.resize(M * l.p.groups);
-  l.xs.resize(M * K);
   return l;
 }
+
+struct Layer {
+  const float *norm1, *norm2;
+  Linear qkv, o, gate_up, down;
+  LayerKV kv;
+};
 
 // [a, b) of n units for thread tid of nt: a static split, so no scheduling state is shared.
 inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
@@ -101,47 +111,74 @@ inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   b = n * (tid + 1) / nt;
 }
 
-// `weights`: input_layernorm, post_attention_layernorm, then 3 tensors for each of qkv, o, gate_up, down
-// (dense: weight and two empty tensors; INT4: packed, affine, pre_scale or an empty tensor). `meta`: for each
-// linear (kind, out_features, group_size).
-at::Tensor decode_layer(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef meta, const at::Tensor& cos,
-                        const at::Tensor& sin, at::TensorList segments, const at::Tensor& segment_of,
-                        const at::Tensor& slot_of, const at::Tensor& lens, int64_t layer, double scale,
-                        int64_t num_heads, double eps_d) {
+// `weights`: per layer input_layernorm, post_attention_layernorm, then 3 tensors for each of qkv, o, gate_up,
+// down (dense: weight and two empty tensors; INT4: packed, affine, pre_scale or an empty tensor). `meta`: per
+// layer and linear (kind, out_features, group_size). `layers`: the pool layer of each.
+at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef meta, at::IntArrayRef layers,
+                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList segments,
+                         const at::Tensor& segment_of, const at::Tensor& slot_of, const at::Tensor& lens, double scale,
+                         int64_t num_heads, double eps_d) {
   TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat && h_in.device().is_cpu(), kOp,
               ": fp32 CPU h [B, hidden] expected, got ", h_in.scalar_type(), " ", h_in.sizes());
-  TORCH_CHECK(weights.size() == 14 && meta.size() == 12, kOp, ": 14 weight tensors and 12 meta ints expected, got ",
-              weights.size(), " and ", meta.size());
+  const int64_t n = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(n >= 1 && static_cast<int64_t>(weights.size()) == n * kTensorsPerLayer &&
+                  static_cast<int64_t>(meta.size()) == n * kMetaPerLayer,
+              kOp, ": 14 weight tensors and 12 meta ints per layer expected for ", n, " layers, got ", weights.size(),
+              " and ", meta.size());
   const at::Tensor h = h_in.contiguous();
   const int64_t B = h.size(0), hidden = h.size(1);
-  for (int i = 0; i < 2; ++i)
-    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].dim() == 1 && weights[i].size(0) == hidden &&
-                    weights[i].is_contiguous(),
-                kOp, ": norm weight ", i, " must be a contiguous fp32 vector of ", hidden, " features");
-  const LayerKV kv = layer_kv(segments, layer, kOp);
-  const int64_t H = num_heads, KVH = kv.kv_heads, D = kv.head_dim, half = D / 2;
+  const LayerKV kv0 = layer_kv(segments, layers[0], kOp);
+  const int64_t H = num_heads, KVH = kv0.kv_heads, D = kv0.head_dim, half = D / 2;
   TORCH_CHECK(H > 0 && H % KVH == 0, kOp, ": ", H, " query heads do not group over ", KVH, " KV heads");
   TORCH_CHECK(D % 2 == 0, kOp, ": RoPE needs an even head_dim, the pool has ", D);
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->size(0) == B && t->size(1) == half, kOp,
                 ": fp32 cos and sin [", B, ", ", half, "] expected, got ", t->sizes());
   const Positions pos = positions(segment_of, slot_of, lens, B, kOp);
-  check_positions(kv, pos.seg, pos.slot, pos.len, B, pos.L, kOp);
-  const int64_t qkv_n = meta[1], o_n = meta[4], gu_n = meta[7], down_n = meta[10];
-  TORCH_CHECK(qkv_n == (H + 2 * KVH) * D, kOp, ": qkv gives ", qkv_n, " features, attention needs ", (H + 2 * KVH) * D);
-  TORCH_CHECK(o_n == hidden && down_n == hidden, kOp, ": o and down must give ", hidden, " features, got ", o_n,
-              " and ", down_n);
-  TORCH_CHECK(gu_n % 2 == 0, kOp, ": gate_up gives an odd number of features (", gu_n, ")");
-  const int64_t I = gu_n / 2;
-  Linear qkv = linear_of(weights.slice(2, 3), meta[0], qkv_n, meta[2], hidden, B, "qkv");
-  Linear o = linear_of(weights.slice(5, 3), meta[3], o_n, meta[5], H * D, B, "o");
-  Linear gate_up = linear_of(weights.slice(8, 3), meta[6], gu_n, meta[8], hidden, B, "gate_up");
-  Linear down = linear_of(weights.slice(11, 3), meta[9], down_n, meta[11], I, B, "down");
+  check_positions(kv0, pos.seg, pos.slot, pos.len, B, pos.L, kOp);
+
+  std::vector<Layer> plan;
+  plan.reserve(n);
+  int64_t max_k = 0, max_groups = 0, max_gu = 0;
+  for (int64_t l = 0; l < n; ++l) {
+    const at::TensorList w = weights.slice(l * kTensorsPerLayer, kTensorsPerLayer);
+    const at::IntArrayRef m = meta.slice(l * kMetaPerLayer, kMetaPerLayer);
+    for (int i = 0; i < 2; ++i)
+      TORCH_CHECK(w[i].scalar_type() == at::kFloat && w[i].dim() == 1 && w[i].size(0) == hidden && w[i].is_contiguous(),
+                  kOp, ": layer ", layers[l], " norm weight ", i, " must be a contiguous fp32 vector of ", hidden,
+                  " features");
+    const int64_t qkv_n = m[1], o_n = m[4], gu_n = m[7], down_n = m[10];
+    TORCH_CHECK(qkv_n == (H + 2 * KVH) * D, kOp, ": layer ", layers[l], " qkv gives ", qkv_n,
+                " features, attention needs ", (H + 2 * KVH) * D);
+    TORCH_CHECK(o_n == hidden && down_n == hidden, kOp, ": layer ", layers[l], " o and down must give ", hidden,
+                " features, got ", o_n, " and ", down_n);
+    TORCH_CHECK(gu_n > 0 && gu_n % 2 == 0, kOp, ": layer ", layers[l], " gate_up gives an odd number of features (",
+                gu_n, ")");
+    Layer L{w[0].data_ptr<float>(), w[1].data_ptr<float>(),
+            linear_of(w.slice(2, 3), m[0], qkv_n, m[2], hidden, B, layers[l], "qkv"),
+            linear_of(w.slice(5, 3), m[3], o_n, m[5], H * D, B, layers[l], "o"),
+            linear_of(w.slice(8, 3), m[6], gu_n, m[8], hidden, B, layers[l], "gate_up"),
+            linear_of(w.slice(11, 3), m[9], down_n, m[11], gu_n / 2, B, layers[l], "down"),
+            at_layer(kv0, layers[l], kOp)};
+    for (const Linear* x : {&L.qkv, &L.o, &L.gate_up, &L.down})
+      if (x->kind == kInt4) {
+        max_k = std::max(max_k, x->K);
+        max_groups = std::max(max_groups, x->p.groups);
+      }
+    max_gu = std::max(max_gu, gu_n);
+    plan.push_back(std::move(L));
+  }
 
   at::Tensor out = at::empty({B, hidden}, h.options());
   if (B == 0) return out;
-  // Intermediates, one arena: normed x, q|k|v, roped q, attention, o, h + o, its norm, gate|up, SwiGLU, down.
-  std::vector<float> arena(B * (hidden + qkv_n + H * D + H * D + hidden + hidden + hidden + gu_n + I + hidden));
+  Prep prep;
+  prep.scaled.resize(B * max_k);
+  prep.xsum.resize(B * max_groups);
+  prep.xs.resize(B * max_k);
+  // Intermediates, one arena reused by every layer: normed x, q|k|v, roped q, attention, o, h + o, its norm,
+  // gate|up, SwiGLU, down, and two residual streams the layers pass along in turn.
+  const int64_t qkv_n = (H + 2 * KVH) * D;
+  std::vector<float> arena(B * (hidden + qkv_n + 2 * H * D + 3 * hidden + max_gu + max_gu / 2 + 3 * hidden));
   float* xn = arena.data();
   float* qkv_y = xn + B * hidden;
   float* q = qkv_y + B * qkv_n;
@@ -150,70 +187,74 @@ at::Tensor decode_layer(const at::Tensor& h_in, at::TensorList weights, at::IntA
   float* h2 = o_y + B * hidden;
   float* x2 = h2 + B * hidden;
   float* gu = x2 + B * hidden;
-  float* act = gu + B * gu_n;
-  float* dn = act + B * I;
-  const float *hp = h.data_ptr<float>(), *n1 = weights[0].data_ptr<float>(), *n2 = weights[1].data_ptr<float>();
+  float* act = gu + B * max_gu;
+  float* dn = act + B * (max_gu / 2);
+  float* stream[2] = {dn + B * hidden, dn + 2 * B * hidden};
   const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
   const float *cp = cos_c.data_ptr<float>(), *sp = sin_c.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   const float eps = static_cast<float>(eps_d), sc = static_cast<float>(scale);
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64)));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64)));
 
-  // The whole layer, run by each of the nt threads of a team; `sync` is the barrier between dependent phases.
+  // Every layer, run by each of the nt threads of a team; `sync` is the barrier between dependent phases.
   auto body = [&](int tid, int nt, auto&& sync) {
+    Scratch w;
     int64_t a, b;
-    share(B, tid, nt, a, b);
-    for (int64_t r = a; r < b; ++r) {
-      rms_norm_row(hp + r * hidden, n1, xn + r * hidden, hidden, eps);
-      qkv.prepare_row(xn, r);
-    }
-    sync();
-    share(qkv.units(), tid, nt, a, b);
-    qkv.run(xn, B, qkv_y, a, b);
-    sync();
-    {
-      Scratch w;
+    for (int64_t l = 0; l < n; ++l) {
+      const Layer& L = plan[l];
+      const float* hin = l == 0 ? h.data_ptr<float>() : stream[(l - 1) % 2];
+      float* hout = l == n - 1 ? outp : stream[l % 2];
+      const int64_t gu_n = L.gate_up.N, I = gu_n / 2;
+      share(B, tid, nt, a, b);  // the rows this thread also finished in the previous layer: no barrier before
+      for (int64_t r = a; r < b; ++r) {
+        rms_norm_row(hin + r * hidden, L.norm1, xn + r * hidden, hidden, eps);
+        L.qkv.prepare_row(xn, r, prep);
+      }
+      sync();
+      share(L.qkv.units(), tid, nt, a, b);
+      L.qkv.run(xn, B, qkv_y, a, b, prep);
+      sync();
       share(B * KVH, tid, nt, a, b);
       for (int64_t task = a; task < b; ++task) {
-        rope_and_write(qkv_y, cp, sp, q, task / KVH, task % KVH, H, kv, pos);
-        attend_task(task, q, att, H, kv, pos, sc, w);
+        rope_and_write(qkv_y, cp, sp, q, task / KVH, task % KVH, H, L.kv, pos);
+        attend_task(task, q, att, H, L.kv, pos, sc, w);
       }
-    }
-    sync();
-    if (o.kind == kInt4) {
-      share(B, tid, nt, a, b);
-      for (int64_t r = a; r < b; ++r) o.prepare_row(att, r);
       sync();
+      if (L.o.kind == kInt4) {
+        share(B, tid, nt, a, b);
+        for (int64_t r = a; r < b; ++r) L.o.prepare_row(att, r, prep);
+        sync();
+      }
+      share(L.o.units(), tid, nt, a, b);
+      L.o.run(att, B, o_y, a, b, prep);
+      sync();
+      share(B, tid, nt, a, b);
+      for (int64_t r = a; r < b; ++r) {
+        add_row(hin + r * hidden, o_y + r * hidden, h2 + r * hidden, hidden);
+        rms_norm_row(h2 + r * hidden, L.norm2, x2 + r * hidden, hidden, eps);
+        L.gate_up.prepare_row(x2, r, prep);
+      }
+      sync();
+      share(L.gate_up.units(), tid, nt, a, b);
+      L.gate_up.run(x2, B, gu, a, b, prep);
+      sync();
+      share(B, tid, nt, a, b);
+      for (int64_t r = a; r < b; ++r) {
+        silu_mul_row(gu + r * gu_n, act + r * I, I);
+        L.down.prepare_row(act, r, prep);
+      }
+      sync();
+      share(L.down.units(), tid, nt, a, b);
+      L.down.run(act, B, dn, a, b, prep);
+      sync();
+      share(B, tid, nt, a, b);
+      for (int64_t r = a; r < b; ++r) add_row(h2 + r * hidden, dn + r * hidden, hout + r * hidden, hidden);
     }
-    share(o.units(), tid, nt, a, b);
-    o.run(att, B, o_y, a, b);
-    sync();
-    share(B, tid, nt, a, b);
-    for (int64_t r = a; r < b; ++r) {
-      add_row(hp + r * hidden, o_y + r * hidden, h2 + r * hidden, hidden);
-      rms_norm_row(h2 + r * hidden, n2, x2 + r * hidden, hidden, eps);
-      gate_up.prepare_row(x2, r);
-    }
-    sync();
-    share(gate_up.units(), tid, nt, a, b);
-    gate_up.run(x2, B, gu, a, b);
-    sync();
-    share(B, tid, nt, a, b);
-    for (int64_t r = a; r < b; ++r) {
-      silu_mul_row(gu + r * gu_n, act + r * I, I);
-      down.prepare_row(act, r);
-    }
-    sync();
-    share(down.units(), tid, nt, a, b);
-    down.run(act, B, dn, a, b);
-    sync();
-    share(B, tid, nt, a, b);
-    for (int64_t r = a; r < b; ++r) add_row(h2 + r * hidden, dn + r * hidden, outp + r * hidden, hidden);
   };
-  if (nt == 1) {
+  if (threads == 1) {
     body(0, 1, [] {});
   } else {
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(threads)
     body(omp_get_thread_num(), omp_get_num_threads(), [] {
 #pragma omp barrier
     });
@@ -224,7 +265,8 @@ at::Tensor decode_layer(const at::Tensor& h_in, at::TensorList weights, at::IntA
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
-  m.def("decode_layer(Tensor h, Tensor[] weights, int[] meta, Tensor cos, Tensor sin, Tensor(a!)[] segments, "
-        "Tensor segment_of, Tensor slot_of, Tensor lens, int layer, float scale, int num_heads, float eps) -> Tensor");
+  m.def("decode_layers(Tensor h, Tensor[] weights, int[] meta, int[] layers, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] segments, Tensor segment_of, Tensor slot_of, Tensor lens, float scale, int num_heads, "
+        "float eps) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("decode_layer", decode_layer); }
+TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("decode_layers", decode_layers); }

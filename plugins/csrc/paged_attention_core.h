@@ -20,7 +20,7 @@ namespace attn {
 struct LayerKV {
   std::vector<float*> k, v;
   std::vector<int64_t> slots;
-  int64_t kv_heads = 0, head_dim = 0;
+  int64_t kv_heads = 0, head_dim = 0, num_layers = 0, layer = 0;
 };
 
 inline LayerKV layer_kv(at::TensorList segments, int64_t layer, const char* op) {
@@ -31,6 +31,8 @@ inline LayerKV layer_kv(at::TensorList segments, int64_t layer, const char* op) 
   LayerKV kv;
   kv.kv_heads = s0.size(3);
   kv.head_dim = s0.size(4);
+  kv.num_layers = s0.size(0);
+  kv.layer = layer;
   for (size_t i = 0; i < segments.size(); ++i) {
     const auto& s = segments[i];
     TORCH_CHECK(s.is_contiguous() && s.scalar_type() == at::kFloat && s.dim() == 5 && s.size(3) == kv.kv_heads &&
@@ -44,6 +46,19 @@ inline LayerKV layer_kv(at::TensorList segments, int64_t layer, const char* op) 
     kv.slots.push_back(slots);
   }
   return kv;
+}
+
+// The same segments (checked by layer_kv) at another layer: only the per-segment offsets move.
+inline LayerKV at_layer(const LayerKV& kv, int64_t layer, const char* op) {
+  TORCH_CHECK(layer >= 0 && layer < kv.num_layers, op, ": layer ", layer, " out of range");
+  LayerKV out = kv;
+  for (size_t i = 0; i < kv.k.size(); ++i) {
+    const int64_t step = (layer - kv.layer) * 2 * kv.slots[i] * kv.kv_heads * kv.head_dim;
+    out.k[i] = kv.k[i] + step;
+    out.v[i] = kv.v[i] + step;
+  }
+  out.layer = layer;
+  return out;
 }
 
 // Every row's positions [0, lens[b]) point inside the pool: checked before anything is read or written.
