@@ -41,8 +41,9 @@ class AttentionPlan:
         self.head_dim = pool.config.head_dim
         self.num_tokens = sum(s.q_len for s in seqs)
         # Where each new token's K/V goes.
-        write_slots = [slot for s in seqs for slot in _slots(s.block_table, s.ctx_len - s.q_len, s.ctx_len, bs)]
-        self.write: list[SlotPiece] = pool.split_slots(torch.tensor(write_slots, dtype=torch.long))
+        self._write_slots = [slot for s in seqs for slot in _slots(s.block_table, s.ctx_len - s.q_len, s.ctx_len, bs)]
+        self._pool = pool
+        self._write: list[SlotPiece] | None = None
         # Decode group: one new token per sequence, keys padded to the longest context and masked.
         dec = [s for s in seqs if s.q_len == 1]
         self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long)
@@ -53,7 +54,8 @@ class AttentionPlan:
         self.decode_kernel: tuple | None = None
         # Decode rows are exactly 0..T-1 (a pure decode step): the op's output is the whole attention output.
         self.decode_only = len(dec) == len(seqs) and all(s.start == i for i, s in enumerate(dec))
-        # Pure decode on the C++ path: layers call decode_attention_qkv (RoPE, K/V write and attention in one op).
+        # Pure decode on the C++ path: the fused layers (plugins.decode_layer), or a layer's decode_attention_qkv
+        # (RoPE, K/V write and attention in one op).
         self.fused_decode = False
         if dec:
             L = self.decode_len
@@ -83,3 +85,11 @@ class AttentionPlan:
                 q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len)
                 mask = torch.arange(s.ctx_len)[None, :] <= q_pos[:, None]
                 self.prefills.append((s, gather, mask))
+
+    @property
+    def write(self) -> list[SlotPiece]:
+        """Where each new token's K/V goes, split by segment (built on first use: a fused decode step writes
+        inside its C++ op and never asks)."""
+        if self._write is None:
+            self._write = self._pool.split_slots(torch.tensor(self._write_slots, dtype=torch.long))
+        return self._write
