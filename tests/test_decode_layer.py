@@ -32,18 +32,16 @@ def _layer(kind: str) -> LayerWeights:
     if kind == "fp16":
         return dense_layer(t, torch.float32, torch.float16)
     g = torch.Generator().manual_seed(3)
-    pre = {n: torch.rand(CFG.hidden_size if n == "o" else CFG.intermediate_size, generator=g) + 0.5 for n in ("o", "down")}
     w = {k.removesuffix(".weight").split(".")[-1]: v for k, v in t.items()}
-    lin = Int4Linear if kind == "int4" else Int8Linear
-    if lin is Int8Linear:
+    if kind == "int8":
         make = lambda ws, pre_scale=None: Int8Linear.from_float(torch.cat(ws))  # noqa: E731
-    else:
+        pre_o = pre_down = None
+    else:  # INT4 with AWQ-like pre-scales on o and down, as the fragments have
         make = lambda ws, pre_scale=None: Int4Linear.fused(ws, G, pre_scale)  # noqa: E731
+        pre_o, pre_down = torch.rand(CFG.hidden_size, generator=g) + 0.5, torch.rand(CFG.intermediate_size, generator=g) + 0.5
     return LayerWeights(input_layernorm=t["input_layernorm.weight"], post_attention_layernorm=t["post_attention_layernorm.weight"],
-                        qkv=make([w["q_proj"], w["k_proj"], w["v_proj"]]),
-                        o=make([w["o_proj"]], pre["o"] if lin is Int4Linear else None),
-                        gate_up=make([w["gate_proj"], w["up_proj"]]),
-                        down=make([w["down_proj"]], pre["down"] if lin is Int4Linear else None))
+                        qkv=make([w["q_proj"], w["k_proj"], w["v_proj"]]), o=make([w["o_proj"]], pre_o),
+                        gate_up=make([w["gate_proj"], w["up_proj"]]), down=make([w["down_proj"]], pre_down))
 
 
 def _run(weights: LayerWeights, lens: list[int], use_fused: bool, monkeypatch, threads: int = 1, rows=None,
