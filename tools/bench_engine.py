@@ -7,8 +7,10 @@ Prints one table per policy. Beside batch 1 it prints the memory-bandwidth floor
 token over the measured read bandwidth) and the share of it reached; beside every batch the time of the same
 step's matmuls alone (the engine's own operators: dense kernel or INT4, and the LM head), so the engine's own
 overhead shows as a ratio, and for dense weights the same matmuls with `F.linear` (MKL), so the C++ decode
-kernel's gain shows too. With several policies (e.g. `--policy full int4`) a last table gives each one's tok/s
-per batch over the first's. Numbers are medians of one run on a shared machine.
+kernel's gain shows too. `--fused-ab` adds per batch the step with the fused decode call off and on,
+alternating in one engine (plugins/decode_layer.py). With several policies (e.g. `--policy full int4`) a
+last table gives each one's tok/s per batch over the first's. Numbers are medians of one run on a shared
+machine.
 """
 from __future__ import annotations
 
@@ -93,6 +95,34 @@ def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8) -> float:
     return t
 
 
+def fused_ab(engine: LLMEngine, batch: int, steps: int = 10) -> tuple[float, float]:
+    """Median decode step (s) per-op and fused, alternating step by step in one engine so that the machine's
+    drift hits both (MORPHSERVE_FUSED_DECODE is read per step)."""
+    for i in range(batch):
+        engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking",
+                           SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True), lambda o: None)
+    engine.step()
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
+        engine.step()
+    before = os.environ.get("MORPHSERVE_FUSED_DECODE")
+    times: dict[str, list[float]] = {"0": [], "1": []}
+    try:
+        for rep in range(steps + 1):
+            for use in ("0", "1"):
+                os.environ["MORPHSERVE_FUSED_DECODE"] = use
+                t = time.perf_counter()
+                engine.step()
+                if rep:  # the first pair warms up
+                    times[use].append(time.perf_counter() - t)
+    finally:
+        if before is None:
+            os.environ.pop("MORPHSERVE_FUSED_DECODE", None)
+        else:
+            os.environ["MORPHSERVE_FUSED_DECODE"] = before
+        engine.abort_all()
+    return statistics.median(times["0"]), statistics.median(times["1"])
+
+
 def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
     text = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
     ids = engine.tokenizer.encode(text)[:tokens]
@@ -150,6 +180,13 @@ def bench_policy(args, policy: str) -> dict:
                                "floor_tok_s": floor, "share_of_floor": (b / step) / floor if floor else None})
         fl = f"{floor:12.1f} {b / step / floor:9.0%}" if floor else f"{'':>12} {'':>9}"
         print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {mkl * 1e3:15.1f} {fl}")
+    if args.fused_ab:
+        rows["fused_ab"] = []
+        print(f"[bench] fused decode A/B, steps alternating: {'batch':>5} {'per-op ms':>10} {'fused ms':>9} {'per-op/fused':>13}")
+        for b in args.batches:
+            per_op, fused = fused_ab(engine, b)
+            rows["fused_ab"].append({"batch": b, "per_op_step_s": per_op, "fused_step_s": fused})
+            print(f"[bench] {'':>40} {b:>5} {per_op * 1e3:10.2f} {fused * 1e3:9.2f} {per_op / fused:13.3f}")
     if policy == "full":
         f32, bf16 = matmuls_alone(engine, 1, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 1, torch.bfloat16, F.linear)
         f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 16, torch.bfloat16, F.linear)
@@ -180,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="+", default=["full"],
                     help="morph policies measured in turn (full, int4, int4:N); ratios to the first are printed")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
+    ap.add_argument("--fused-ab", action="store_true",
+                    help="also time decode steps with the fused decode call off and on, alternating step by step")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--json", help="also write the results here")
