@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp",
            CSRC / "layer_elementwise.cpp"]
+SOURCES += [CSRC / "int8_linear.cpp"]  # the INT8 shared embedding / LM head table (plugins/int8_linear.py)
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY_NAME = "morphserve_kernels"
 _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)

@@ -1,0 +1,137 @@
+// INT8 weight-only linear on AVX2 CPUs with fp32 activations: y[M, N] = s[n] * (x[M, K] . q[N, K]), q int8 with
+// one fp32 scale per weight row (symmetric). It serves the shared embedding / LM head table when that unit is
+// morphed to INT8 (plugins/int8_linear.py): SmolLM2's table is 49152 x 576, 57 MB in fp16, 28 MB in int8, and a
+// decode step reads all of it for the sampled rows.
+//
+// Why this shape: decode is bound by reading the weights, so each block of kBlock weight rows is read once and
+// reused for every row of x. int8 widens to fp32 exactly (vpmovsxbd + vcvtdq2ps, the load folded in), so the
+// arithmetic is plain fp32: each dot product sums 8 lanes at a time in increasing k, adds the lanes, finishes
+// the K % 8 tail with fma and multiplies by the row's scale last. That order is the same whatever the tile
+// shape, and whether the int8 is widened in registers (up to kRegRows rows of x) or once per block into an L1
+// buffer that every row then reads (more rows): a row's result does not depend on its batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 8;    // weight rows read together (8 accumulators at batch 1: the FMA latency hidden)
+constexpr int64_t kRegRows = 2;  // rows of x up to which the int8 is widened in registers
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
+
+// MT rows of x [., K] against NT weight rows (stride ldw) with their scales: y[m * ldy + n].
+template <int MT, int NT, typename W>
+inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, const float* scale, float* y, int64_t ldy) {
+  __m256 acc[MT][NT];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 8
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MT];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+#pragma GCC unroll 8
+    for (int n = 0; n < NT; ++n) {
+      const __m256 wv = load8(w + n * ldw + k);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) {
+      float s = hsum(acc[m][n]);
+      for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * K + kk], load1(w + n * ldw + kk), s);
+      y[m * ldy + n] = s * scale[n];
+    }
+}
+
+// All M rows of x against nt (<= kBlock) weight rows.
+template <typename W>
+void rows_times_block(const float* x, int64_t M, int64_t K, const W* w, int64_t nt, const float* scale, float* y,
+                      int64_t ldy) {
+  if (M == 1 && nt == kBlock) {
+    tile<1, kBlock>(x, K, w, K, scale, y, ldy);
+    return;
+  }
+  int64_t n = 0;
+  for (; n + 4 <= nt; n += 4) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) tile<2, 4>(x + m * K, K, w + n * K, K, scale + n, y + m * ldy + n, ldy);
+    if (m < M) tile<1, 4>(x + m * K, K, w + n * K, K, scale + n, y + m * ldy + n, ldy);
+  }
+  for (; n < nt; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) tile<2, 1>(x + m * K, K, w + n * K, K, scale + n, y + m * ldy + n, ldy);
+    if (m < M) tile<1, 1>(x + m * K, K, w + n * K, K, scale + n, y + m * ldy + n, ldy);
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat, "int8_linear: fp32 input expected, got ", input.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: int8 weight expected, got ", weight.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "int8_linear: fp32 scales expected, got ", scales.scalar_type());
+  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(),
+              "int8_linear: CPU tensors expected");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "int8_linear: contiguous 2-D weight [N, K] expected");
+  TORCH_CHECK(input.dim() == 2, "int8_linear: 2-D input [M, K] expected, got ", input.dim(), " dims");
+  TORCH_CHECK(input.size(1) == weight.size(1), "int8_linear: input has ", input.size(1), " features, weight expects ",
+              weight.size(1));
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == weight.size(0) && scales.is_contiguous(),
+              "int8_linear: contiguous scales [", weight.size(0), "] expected, got ", scales.sizes());
+  const at::Tensor x = input.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // Grain: at least ~16K weights per task so that thread hand-off stays negligible.
+  const int64_t grain = std::max<int64_t>(1, (16384 + kBlock * K - 1) / (kBlock * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<float> wide(M > kRegRows ? kBlock * K : 0);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * kBlock, nt = std::min<int64_t>(kBlock, N - n);
+      if (M <= kRegRows) {
+        rows_times_block(xp, M, K, wp + n * K, nt, sp + n, yp + n, N);
+      } else {
+        // Widened once (exact), then read from L1 by every row tile.
+        const int8_t* src = wp + n * K;
+        const int64_t len = nt * K;
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) _mm256_storeu_ps(wide.data() + i, load8(src + i));
+        for (; i < len; ++i) wide[i] = load1(src + i);
+        rows_times_block(xp, M, K, wide.data(), nt, sp + n, yp + n, N);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(morphserve, m) { m.def("int8_linear(Tensor input, Tensor weight, Tensor scales) -> Tensor"); }
+TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("int8_linear", int8_linear); }
