@@ -71,7 +71,9 @@ def _modes(num_layers: int) -> dict[str, MorphPolicy]:
 
 
 def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> MorphPolicy:
-    """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides."""
+    """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides. `num_layers` counts the swappable
+    units: the decoder layers, plus the tied embedding / LM head where the fragment set has its INT8 fragment
+    (then "int4" and `int4:N` take the head too at its place in the swap order, and the limits count it)."""
     spec = (spec or "").strip().lower()
     modes = _modes(num_layers)
     if spec in modes:
@@ -115,7 +117,7 @@ class Signals:
     new_preemptions: int
     head_blocks_short: int  # blocks the head of the queue lacks (0 if none waits)
     blocks_per_layer: int  # KV blocks one swapped layer buys
-    int4_layers: int
+    int4_layers: int  # units swapped down: INT4 layers, plus the INT8 LM head when swapped
     usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
 
 
