@@ -121,6 +121,8 @@ def build_head_int8(fragment_dir: Path, corpus: Path | None = None) -> dict:
 
         t0 = time.monotonic()
         corpus = corpus or REPO_ROOT.parent / "shared" / "data" / "corpus" / profile["corpus"]
+        if not corpus.is_file():
+            raise FragmentError(f"{corpus}: the text the layer order was profiled on is missing (give it with --corpus)")
         model = OfflineModel(fragment_dir, max_len=profile["seq_len"])
         # The text the layer order was profiled on (tools/profile_layers.py: the first half of the corpus).
         ids = corpus_tokens(Tokenizer(model.manifest), corpus, 0.0, 0.5, profile["samples"], profile["seq_len"])
