@@ -143,3 +143,10 @@ def test_a_corrupt_head_fragment_at_swap_time_keeps_serving(head_set, tmp_path):
     assert c.swap_failures == 1 and engine.model.head.precision == Precision.FULL and HEAD_UNIT in engine.morph.failed
     assert engine.morph.int4_layers == 1  # the action's other unit: the next in the order
     assert not engine.check_invariants()
+
+
+def test_the_head_is_timed_at_load_for_the_decode_time_pressure(head_set):
+    m = engine_on(head_set, morph_policy="balanced", morph_overrides={"down_tpot_s": 0.05}).morph
+    assert set(m.speedup) == {"layer", "lm_head"} and all(r > 0 for r in m.speedup["lm_head"].values())
+    m.speedup = {"layer": {32: 0.5}, "lm_head": {32: 2.0}}
+    assert m.swap_speeds_up(1) == (m.order[0] == HEAD_UNIT)  # the next unit's own measurement decides

@@ -161,3 +161,27 @@ def test_a_restore_without_room_drains_another_added_segment(caplog):
     assert len([r for r in caplog.records if "draining the KV segment" in r.getMessage()]) == 1
     assert m.account.used <= m.account.budget
     assert outs["p0"][-1].finish_reason == "length"
+
+
+def test_decode_time_pressure_swaps_only_where_a_swap_was_measured_faster(monkeypatch):
+    from trtllm_backend.morph import CALIBRATION_BATCHES, MorphManager
+
+    measured = MorphManager.swap_speeds_up
+
+    def run(faster):
+        engine = make_engine(morph_policy="balanced", max_batch_size=1, morph_overrides={"down_tpot_s": 1e-6})
+        m = engine.morph
+        # the calibration at load: every batch timed, full and INT4 (which is faster depends on the machine)
+        assert set(m.speedup) == {"layer"} and set(m.speedup["layer"]) == set(CALIBRATION_BATCHES)
+        assert all(0 < r < 100 for r in m.speedup["layer"].values())
+        m.speedup["layer"] = {1: 1.2, 4: 0.9, 16: 1.1, 32: 1.0}
+        assert [measured(m, b) for b in (1, 2, 4, 5, 16, 20, 64)] == [True, False, False, True, True, False, False]
+        monkeypatch.setattr(MorphManager, "swap_speeds_up", lambda self, batch: faster)
+        outs = collect(engine, PROMPTS[:3], 6)  # one running, two waiting: TPOT (always above 1 us) is the pressure
+        assert all(o[-1].finish_reason == "length" for o in outs.values())
+        assert not engine.check_invariants()
+        return engine.counters
+
+    assert run(False).swaps_down == 0
+    assert run(True).swaps_down >= 1
+    assert make_engine(morph_policy="balanced").morph.speedup == {}  # no SLO: nothing measured at load

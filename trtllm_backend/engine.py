@@ -55,6 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
         self._seen_preemptions = 0
+        self._tpot = 0.0  # moving average of decode iteration time (the controller's TPOT signal)
         self.streams: dict[str, OutputStream] = {}
         self.requests: dict[str, Request] = {}
         self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
@@ -250,6 +251,8 @@ class LLMEngine:
             blocks_per_layer=m.blocks_per_layer,
             int4_layers=m.morphed_units,
             usage_after_shrink=m.usage_after_shrink(),
+            tpot_s=self._tpot,
+            swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.down_tpot_s else False,
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
         if self.config.check_invariants:
@@ -286,8 +289,10 @@ class LLMEngine:
         self.counters.preemptions = self.scheduler.num_preemptions
         self._admission_blocked = sched.admission_blocked
         if not sched.scheduled:
+            self._tpot = 0.0
             self._publish_stats()
             return
+        t_step = time.monotonic()
         ids, pos, seqs, rows, samplers = [], [], [], [], []
         start = 0
         for req, n in sched.scheduled:
@@ -313,6 +318,8 @@ class LLMEngine:
                             [r.output_ids if r.params.penalized else [] for r in samplers])
             int4 = self.num_quantized_layers()
             now = time.monotonic()
+            if any(r.timings.first_token is not None for r in samplers):  # a decode iteration: its time is a TPOT
+                self._tpot = now - t_step if not self._tpot else 0.8 * self._tpot + 0.2 * (now - t_step)
             for req, tok in zip(samplers, tokens):
                 req.token_ids.append(tok)
                 self.counters.generation_tokens += 1

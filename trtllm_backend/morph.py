@@ -32,13 +32,20 @@ from .errors import FragmentError
 from .fragments import FragmentStore
 from .head import HeadSlot
 from .kv_cache import KVPool, KVSegment
-from .layers import LayerSlot
+from .layers import LayerSlot, LayerWeights
 from .manifest import HEAD_UNIT, Manifest
 from .memory import MemoryAccount
 from .outputs import EngineStats
 from .precision import Precision
 
 log = logging.getLogger("morphserve.morph")
+
+# The decode-speed calibration (TPOT pressure): batches timed, runs per form (the fastest counts), the buffer
+# streamed before each run to evict the weights (larger than this CPU's L3), and the speed-up that counts.
+CALIBRATION_BATCHES = (1, 4, 16, 32)
+CALIBRATION_REPS = 5
+CALIBRATION_FLUSH_BYTES = 64 << 20
+SPEEDUP_MARGIN = 1.05  # below it the difference is within run-to-run noise here
 
 
 Unit = int | str  # a layer index, or HEAD_UNIT
@@ -130,6 +137,10 @@ class MorphManager:
             )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
+        # full / quantized decode time of each kind of unit by batch (the TPOT pressure's evidence), measured here
+        self.speedup: dict[str, dict[int, float]] = {}
+        if self.policy.dynamic and self.policy.down_tpot_s and self.quantizable:
+            self._calibrate()
         if (self.policy.dynamic or self.policy.static_int4_layers) and not self.quantizable:
             if self.policy.static_int4_layers:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
@@ -174,6 +185,56 @@ class MorphManager:
         """Block until the fragment being prepared in the background (if any) is ready, or the timeout."""
         if self.job is not None:
             wait_futures([self.job.future], timeout=timeout_s)
+
+    def swap_speeds_up(self, batch: int) -> bool:
+        """Whether the next swap down was measured to make a decode step of `batch` rows faster (TPOT pressure)."""
+        candidates = self._candidates() if self.speedup else []
+        if not candidates:
+            return False
+        ratios = self.speedup["lm_head" if candidates[0] == HEAD_UNIT else "layer"]
+        at = min((b for b in ratios if b >= batch), default=max(ratios))  # the nearest measured batch at or above
+        return ratios[at] >= SPEEDUP_MARGIN
+
+    # ---- decode speed ---------------------------------------------------------------------------
+    def _calibrate(self) -> None:
+        """Time the first layer and (when a unit) the head of the swap order, full vs quantized, at decode batch
+        sizes. Cold: a buffer larger than the caches is streamed before each run, since in decode every weight
+        comes from memory. Runs at load, only with the TPOT pressure on (0.9 s here with the head, one busy core)."""
+        import torch
+
+        t0 = time.monotonic()
+        layer = next(u for u in self.order if u != HEAD_UNIT)
+        quant_layer = self.store.load_layer(layer, Precision.INT4)
+        forms = {"layer": (self.slots[layer].weights, quant_layer)}
+        if self.head_unit:
+            forms["lm_head"] = (self.head.table, self.store.load_head(Precision.INT8))
+        flush = torch.empty(CALIBRATION_FLUSH_BYTES // 4)
+        c = self.manifest.config
+
+        def run(weights, x, xi):
+            if isinstance(weights, LayerWeights):
+                weights.qkv(x), weights.o(x), weights.gate_up(x), weights.down(xi)
+            else:
+                weights.linear(x)
+
+        with torch.inference_mode():
+            for kind, (full, quant) in forms.items():
+                self.speedup[kind] = {}
+                for batch in CALIBRATION_BATCHES:
+                    x, xi = torch.randn(batch, c.hidden_size), torch.randn(batch, c.intermediate_size)
+                    best = {}
+                    for name, weights in (("full", full), ("quant", quant)):
+                        times = []
+                        for _ in range(CALIBRATION_REPS):
+                            flush.fill_(1.0)
+                            t = time.perf_counter()
+                            run(weights, x, xi)
+                            times.append(time.perf_counter() - t)
+                        best[name] = min(times)
+                    self.speedup[kind][batch] = best["full"] / best["quant"]
+        del quant_layer, forms, flush
+        log.info("morph: decode speed full/quantized by batch, measured at load in %.0f ms: %s", (time.monotonic() - t0) * 1e3,
+                 {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()})
 
     # ---- accounting -----------------------------------------------------------------------------
     def _refresh(self) -> None:
