@@ -39,7 +39,7 @@ def test_kernel_matches_the_exact_product(m, n, k):
 @needs_kernels
 @pytest.mark.parametrize("n", [49, 64])
 def test_a_rows_result_does_not_depend_on_its_batch(n):
-    # 1-2 rows widen the int8 in registers, more rows through the L1 buffer: every path must sum the same way
+    # one row runs the 1x8 register tile, more rows the 2x4 and 1x4 tiles, the 13-row tail 1-row tiles: all sum alike
     _, t = table(n, 576, seed=3)
     x = torch.randn(32, 576, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([ns.int8_linear(x[i : i + 1], t.weight, t.scales) for i in range(32)])
