@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from plugins import skinny_gemm
 from plugins.elementwise import rms_norm
 
 from .attention import AttentionPlan
