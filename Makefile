@@ -35,9 +35,10 @@ docker-test: setup
 quality: setup
 	$(PY) -m tools.eval_quality
 
-# Re-profile the LIS swap order into the manifest.
+# Re-profile the LIS swap order into the manifest, then re-rank the LM head unit in it.
 profile: setup
 	$(PY) -m tools.profile_layers
+	$(PY) -m engines.build_fragments --lm-head-int8 --if-missing
 
 # Trace replay: every policy on the default Azure-code window, then the saturation sweep (full, balanced) on its
 # second burst, then the report with both (results/replay/default/, ~40 min; docs/replay.md); then capacity by

@@ -69,3 +69,44 @@ def greedy_order(m: OfflineModel, ids: torch.Tensor, rounds: int | None = None) 
     bar.close()
     m.set_quantized([])
     return chosen, log
+
+
+# ---- the tied embedding / LM head as one unit of the same order ------------------------------------------
+#
+# The head's INT8 fragment is scored with the same formula, term by term where a term has a meaning for it:
+#   LRS_head: the full head's logits vs the INT8 head's logits on the same final hidden states (its own
+#             output error, as LRS is a layer's);
+#   MDS_head: final hidden states with Q vs Q + {head} (the INT8 embedding's effect downstream, as MDS is a
+#             layer's; the head's own error is in LRS since the final hidden states do not see it).
+#   LTS has no counterpart (the table maps token ids to hidden states and hidden states to logits: there is no
+#   input and output in one space to compare), so the head is scored on the other two with their weights
+#   renormalized: LIS_head = (0.25 * LRS + 0.5 * MDS) / 0.75.
+# Its rank is where the greedy would pick it: the first round whose picked layer scored no higher than the head
+# (scored against that round's quantized set). The layers' later rounds were profiled without the head
+# quantized; re-profiling them with it is a second-order change that is not made.
+
+@torch.inference_mode()
+def head_scores(m: OfflineModel, ids: torch.Tensor, quantized: list[int]) -> dict:
+    m.set_quantized(quantized)
+    m.set_head(False)
+    states, _, _ = m.layer_inputs(ids)
+    ref = states[-1]
+    ref_logits = m.logits(ref)
+    m.set_head(True)
+    lrs = _cos(ref_logits, m.logits(ref))
+    mds = _cos(ref, m.layer_inputs(ids)[0][-1])
+    m.set_head(False)
+    m.set_quantized([])
+    return {"lrs": lrs, "mds": mds, "lis": (0.25 * lrs + 0.5 * mds) / 0.75}
+
+
+def head_rank(m: OfflineModel, ids: torch.Tensor, order: list[int], rounds: list[dict]) -> tuple[int, dict]:
+    """(rank, the head's scores at that round): the head goes before order[rank]. `rounds`: the greedy's log
+    of the profiled layer order (greedy_order's second result, as the manifest's swap_order_profile keeps it)."""
+    if len(rounds) != len(order):
+        raise ValueError(f"the profile has {len(rounds)} rounds for {len(order)} layers in the swap order")
+    for k in range(len(order) + 1):
+        scores = head_scores(m, ids, order[:k])
+        if k == len(order) or scores["lis"] >= rounds[k]["lis"]:
+            return k, scores
+    raise AssertionError("unreachable")

@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from plugins import skinny_gemm
 from plugins.elementwise import rms_norm
 from trtllm_backend.attention import AttentionPlan, SeqSlice
 from trtllm_backend.fragments import FragmentStore
@@ -32,6 +31,14 @@ class OfflineModel:
         self.full: list[LayerWeights] = [s.weights for s in self.model.slots]
         self.int4: list[LayerWeights] = [self.store.load_layer(i, Precision.INT4) for i in range(self.config.num_layers)]
         self.pool = KVPool(self.config, BLOCK, torch.float32)
+        # The tied embedding / LM head: its full table and, where the set has one, its INT8 fragment.
+        self.head_full = self.model.head.table
+        self.head_int8 = self.store.load_head(Precision.INT8) if self.manifest.head_swappable() else None
+
+    def set_head(self, int8: bool) -> None:
+        if int8 and self.head_int8 is None:
+            raise ValueError(f"{self.manifest.dir}: no INT8 lm_head fragment (python -m engines.build_fragments --lm-head-int8)")
+        self.model.head.bind(self.head_int8 if int8 else self.head_full, Precision.INT8 if int8 else Precision.FULL)
 
     def set_quantized(self, layers) -> None:
         q = set(layers)
@@ -54,7 +61,7 @@ class OfflineModel:
         plan = self._plan(B, L)
         pos = torch.arange(L).repeat(B)
         cos, sin = self.model.cos[pos], self.model.sin[pos]
-        h = F.embedding(ids.flatten(), self.model.embed).to(self.model.norm.dtype)
+        h = self.model.head.embed(ids.flatten()).to(self.model.norm.dtype)
         states = [h]
         for slot in self.model.slots:
             h = slot.forward(h, cos, sin, plan)
@@ -69,7 +76,7 @@ class OfflineModel:
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return skinny_gemm.linear(rms_norm(h, self.model.norm, self.config.rms_norm_eps), self.model.lm_head)
+        return self.model.head.logits(rms_norm(h, self.model.norm, self.config.rms_norm_eps))
 
     @torch.inference_mode()
     def nll(self, ids: torch.Tensor) -> tuple[float, int]:

@@ -32,6 +32,14 @@ TEST_SERVER_PARAMS = {
 
 
 @pytest.fixture(scope="session")
+def layer_set(tmp_path_factory) -> Path:
+    """The real fragment set without the embedding / LM head unit: its units are the layers."""
+    from engine_fixtures import layers_only_copy
+
+    return layers_only_copy(tmp_path_factory.mktemp("fragments") / "layers")
+
+
+@pytest.fixture(scope="session")
 def triton_server(tmp_path_factory):
     from trtllm_backend import serve
 

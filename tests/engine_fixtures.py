@@ -33,9 +33,9 @@ def fragment_dir() -> Path:
 
 
 def damaged_fragment_copy(dst: Path, damage: str = "corrupt") -> tuple[Path, int]:
-    """The fragment set (symlinks) with the first swap candidate's INT4 file corrupted (one byte flipped) or
-    missing; returns the folder and that layer."""
-    from trtllm_backend.manifest import Manifest
+    """The fragment set's layers (symlinks; the manifest without the head unit) with the first swap candidate's INT4
+    file corrupted (one byte flipped) or missing; returns the folder and that layer."""
+    from trtllm_backend.manifest import HEAD_UNIT, MANIFEST, Manifest, write_manifest
     from trtllm_backend.precision import Precision
 
     if damage not in ("corrupt", "missing"):
@@ -46,8 +46,9 @@ def damaged_fragment_copy(dst: Path, damage: str = "corrupt") -> tuple[Path, int
     layer = m.swap_order()[0]
     victim = m.fragment(layer, Precision.INT4)["file"]
     for f in src.iterdir():
-        if f.is_file() and f.name != victim:
+        if f.is_file() and f.name not in (victim, MANIFEST):
             os.symlink(f, dst / f.name)
+    write_manifest(dst, {k: v for k, v in m.data.items() if k != HEAD_UNIT})
     if damage == "corrupt":
         data = bytearray((src / victim).read_bytes())
         data[100] ^= 0xFF
@@ -55,10 +56,24 @@ def damaged_fragment_copy(dst: Path, damage: str = "corrupt") -> tuple[Path, int
     return dst, layer
 
 
+def layers_only_copy(dst: Path) -> Path:
+    """The fragment set as it was before the embedding / LM head unit (its files linked, the manifest without
+    "lm_head"), for tests whose swap counts and byte arithmetic are about layers (the head: test_head_unit.py)."""
+    from engines.build_fragments import link_set
+    from trtllm_backend.manifest import HEAD_UNIT, Manifest, write_manifest
+
+    link_set(fragment_dir(), dst)
+    data = Manifest(dst).data
+    data.pop(HEAD_UNIT, None)
+    write_manifest(dst, data)
+    return dst
+
+
 def make_engine(**overrides) -> LLMEngine:
     # Static full precision unless a test asks otherwise: outputs are compared with full-precision references.
     overrides.setdefault("morph_policy", "full")
-    return LLMEngine(EngineConfig(fragment_dir=str(fragment_dir()), **overrides))
+    overrides.setdefault("fragment_dir", str(fragment_dir()))
+    return LLMEngine(EngineConfig(**overrides))
 
 
 def top2_gap(logits: torch.Tensor) -> float:

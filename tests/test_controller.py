@@ -4,11 +4,11 @@ import pytest
 from trtllm_backend.controller import Controller, Signals, parse_forced, parse_policy
 
 
-def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None):
+def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, tpot=0.0, faster=False):
     head_wait = (1.0 if blocked else 0.0) if head_wait is None else head_wait
     return Signals(now=t, waiting=waiting, head_wait_s=head_wait, kv_usage=usage, admission_blocked=blocked,
                    new_preemptions=preempt, head_blocks_short=40 if blocked else 0, blocks_per_layer=16,
-                   int4_layers=int4, usage_after_shrink=after)
+                   int4_layers=int4, usage_after_shrink=after, tpot_s=tpot, swap_speeds_up=faster)
 
 
 def run(controller, trace):
@@ -71,6 +71,8 @@ def test_static_policies_never_act_and_max_is_respected():
     ("balanced", {"layers_per_action": 0}, "morph_layers_per_action"),
     ("balanced", {"down_kv_usage": "high"}, "morph_down_kv_usage"),
     ("balanced", {"nope": 1}, "morph_nope"),
+    ("balanced", {"down_tpot_s": -0.1}, "morph_down_tpot_s"),
+    ("balanced", {"up_tpot_ratio": 1.0}, "morph_up_tpot_ratio"),
 ])
 def test_invalid_policies_are_named(spec, overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -102,3 +104,41 @@ def test_a_queue_without_kv_shortage_is_not_pressure():
 def test_a_short_kv_wait_below_the_threshold_is_tolerated():
     c = Controller(parse_policy("balanced", 30))
     assert run(c, [dict(waiting=2, blocked=True, head_wait=0.1)] * 50) == (0, [])
+
+
+# ---- decode time as pressure (morph_down_tpot_s) ---------------------------------------------------------------
+SLO = {"down_tpot_s": 0.05}
+SLOW = dict(waiting=3, tpot=0.08, faster=True)  # TPOT 80 ms over a 50 ms SLO, requests waiting, swap measured faster
+
+
+def test_slow_decode_with_a_queue_swaps_where_quantized_is_faster():
+    c = Controller(parse_policy("balanced", 31, SLO))
+    int4, actions = run(c, [dict()] * 3 + [SLOW] * 3)
+    assert actions[0] == (3 + c.policy.down_persist - 1, "down", c.policy.layers_per_action)  # the same persistence
+
+
+@pytest.mark.parametrize("what", [dict(faster=False), dict(waiting=0), dict(tpot=0.04)])
+def test_slow_decode_is_not_pressure_without_each_condition(what):
+    c = Controller(parse_policy("balanced", 31, SLO))
+    assert run(c, [{**SLOW, **what}] * 100) == (0, [])
+    off = Controller(parse_policy("balanced", 31))  # without an SLO decode time is never pressure
+    assert run(off, [SLOW] * 100) == (0, [])
+
+
+def test_restore_waits_for_tpot_well_below_the_slo():
+    c = Controller(parse_policy("balanced", 31, SLO))
+    near = [dict(tpot=0.045)] * 200  # quiet, below the SLO, but above up_tpot_ratio * SLO (35 ms): stays morphed
+    int4, actions = run(c, [SLOW] * 2 + near)
+    assert int4 == 2 and [k for _, k, _ in actions] == ["down"]
+    c = Controller(parse_policy("balanced", 31, SLO))
+    int4, actions = run(c, [SLOW] * 2 + [dict(tpot=0.03)] * 200)
+    assert int4 == 0 and [k for _, k, _ in actions] == ["down", "up"]
+    first_up = next(i for i, k, _ in actions if k == "up")
+    assert (first_up - 1) * 0.05 >= c.policy.up_quiet_s - 1e-9
+
+
+def test_tpot_hovering_at_the_slo_does_not_flap():
+    c = Controller(parse_policy("balanced", 31, SLO))
+    # TPOT alternates just above and below the SLO with a queue: pressure never persists two iterations in a row
+    trace = [dict(waiting=2, tpot=0.051 if i % 2 else 0.049, faster=True) for i in range(400)]
+    assert run(c, trace) == (0, [])

@@ -25,6 +25,7 @@ EXPORTED = {
     "morphserve_kv_cache_blocks": {"type": {"max", "used", "free"}},
     "morphserve_kv_cache_usage_ratio": {},
     "morphserve_int4_layers": {},
+    "morphserve_lm_head_int8": {},
     "morphserve_kv_capacity_blocks": {},
     "morphserve_memory_bytes": {"type": {"budget", "used"}},
     "morphserve_preemptions_total": {},

@@ -55,8 +55,8 @@ def test_force_morph_is_checked_when_the_config_is_made():
         EngineConfig(fragment_dir=str(fragment_dir()), force_morph="down:1@0,sideways:2@1")
 
 
-def test_forced_swaps_settle_and_stats_read_without_side_effects():
-    engine = make_engine(force_morph="down:2@0")
+def test_forced_swaps_settle_and_stats_read_without_side_effects(layer_set):
+    engine = make_engine(force_morph="down:2@0", fragment_dir=str(layer_set))
     assert engine.num_quantized_layers() == 0  # nothing happens before an iteration
     assert engine.settle_morph(timeout_s=120)
     assert engine.num_quantized_layers() == 2 and not engine.morph.busy(engine.counters.iterations)

@@ -96,10 +96,11 @@ def test_a_budget_too_small_to_stage_gives_the_swap_up_once(caplog):
     assert_healthy(engine, outs)
 
 
-def test_a_restore_blocked_by_live_blocks_waits_and_serving_goes_on():
+def test_a_restore_blocked_by_live_blocks_waits_and_serving_goes_on(layer_set):
     # A small base pool: after one swap the long requests spill into the added segment. The restore at
     # iteration 40 cannot move their blocks anywhere (the base pool is full), so it waits while they generate.
-    engine = make_engine(max_tokens_in_paged_kv_cache=256, max_batch_size=8, force_morph="down:1@0,up:1@40")
+    engine = make_engine(max_tokens_in_paged_kv_cache=256, max_batch_size=8, force_morph="down:1@0,up:1@40",
+                         fragment_dir=str(layer_set))
     assert engine.settle_morph(timeout_s=120) and engine.num_quantized_layers() == 1
     _, added = engine.pool.segments
     outs = submit(engine, 6, 80)
@@ -116,8 +117,8 @@ def test_a_restore_blocked_by_live_blocks_waits_and_serving_goes_on():
     assert_healthy(engine, outs)
 
 
-def test_a_storm_of_100_cancellations_during_a_morph():
-    engine = make_engine(max_queue_size=128, max_batch_size=32, force_morph="down:2@2")
+def test_a_storm_of_100_cancellations_during_a_morph(layer_set):
+    engine = make_engine(max_queue_size=128, max_batch_size=32, force_morph="down:2@2", fragment_dir=str(layer_set))
     engine.start()
     try:
         outs = submit(engine, 100, 200)

@@ -72,9 +72,10 @@ def test_forced_swaps_and_restores_mid_generation():
 
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "float16"])
-def test_capacity_grows_by_exactly_the_freed_blocks(weight_dtype):
+def test_capacity_grows_by_exactly_the_freed_blocks(weight_dtype, layer_set):
     # fp16-stored full-precision layers free half as many bytes per swap; the account must follow either way.
-    engine = make_engine(morph_policy="full", max_tokens_in_paged_kv_cache=512, weight_dtype=weight_dtype, force_morph="down:3@0")
+    engine = make_engine(morph_policy="full", max_tokens_in_paged_kv_cache=512, weight_dtype=weight_dtype, force_morph="down:3@0",
+                         fragment_dir=str(layer_set))
     m = engine.morph
     base_blocks, r0 = engine.pool.num_blocks, m.account.available
     full = m.full_bytes[0]
@@ -142,11 +143,11 @@ def test_peak_rss_stays_within_budget_plus_fixed_overhead():
     assert r["peak"] <= r["fixed"] + r["budget"] + slack, f"peak RSS {r['peak']} > {r['fixed']} + {r['budget']} + slack"
 
 
-def test_a_restore_without_room_drains_another_added_segment(caplog):
+def test_a_restore_without_room_drains_another_added_segment(caplog, layer_set):
     # Two swaps, each paying for its own KV segment. Then the budget is cut by the staging reserve (the account
     # still holds): releasing the top layer's segment no longer makes room for its full fragment, so the restore
     # must drain and release the other added segment too, over iterations, logging that once.
-    engine = make_engine(morph_policy="full", force_morph="down:2@0,up:1@1")
+    engine = make_engine(morph_policy="full", force_morph="down:2@0,up:1@1", fragment_dir=str(layer_set))
     assert engine.settle_morph(timeout_s=120)
     m = engine.morph
     base, seg_a, seg_b = engine.pool.segments
@@ -161,3 +162,28 @@ def test_a_restore_without_room_drains_another_added_segment(caplog):
     assert len([r for r in caplog.records if "draining the KV segment" in r.getMessage()]) == 1
     assert m.account.used <= m.account.budget
     assert outs["p0"][-1].finish_reason == "length"
+
+
+def test_decode_time_pressure_swaps_only_where_a_swap_was_measured_faster(monkeypatch, layer_set):
+    from trtllm_backend.morph import CALIBRATION_BATCHES, MorphManager
+
+    measured = MorphManager.swap_speeds_up
+
+    def run(faster):
+        engine = make_engine(morph_policy="balanced", max_batch_size=1, morph_overrides={"down_tpot_s": 1e-6},
+                             fragment_dir=str(layer_set))
+        m = engine.morph
+        # the calibration at load: every batch timed, full and INT4 (which is faster depends on the machine)
+        assert set(m.speedup) == {"layer"} and set(m.speedup["layer"]) == set(CALIBRATION_BATCHES)
+        assert all(0 < r < 100 for r in m.speedup["layer"].values())
+        m.speedup["layer"] = {1: 1.2, 4: 0.9, 16: 1.1, 32: 1.0}
+        assert [measured(m, b) for b in (1, 2, 4, 5, 16, 20, 64)] == [True, False, False, True, True, False, False]
+        monkeypatch.setattr(MorphManager, "swap_speeds_up", lambda self, batch: faster)
+        outs = collect(engine, PROMPTS[:3], 6)  # one running, two waiting: TPOT (always above 1 us) is the pressure
+        assert all(o[-1].finish_reason == "length" for o in outs.values())
+        assert not engine.check_invariants()
+        return engine.counters
+
+    assert run(False).swaps_down == 0
+    assert run(True).swaps_down >= 1
+    assert make_engine(morph_policy="balanced").morph.speedup == {}  # no SLO: nothing measured at load

@@ -45,7 +45,7 @@ def morph_server(tmp_path_factory):
 
 def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
     before = metrics(morph_server)
-    assert before.get("morphserve_int4_layers") == 0
+    assert before.get("morphserve_int4_layers") == 0 and before.get("morphserve_lm_head_int8", 0) == 0
     text = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
             "in want of a wife. However little known the feelings or views of such a man may be on his first "
             "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families. ")
@@ -81,7 +81,9 @@ def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
     assert during['morphserve_layer_swaps_total{direction="down"}'] > 0 and max(peak_int4) > 0
     assert during['morphserve_kv_resizes_total{direction="grow"}'] > 0
     # After the burst: quiet -> every layer restored, every grown segment released, nothing leaked.
-    after = wait_for(lambda: (m := metrics(morph_server)).get("morphserve_int4_layers") == 0 and m, timeout=120, interval=0.5)
+    # (the layers, and the LM head where the set has it as a unit: int4_layers counts layers only)
+    after = wait_for(lambda: (m := metrics(morph_server)).get("morphserve_int4_layers") == 0
+                     and m.get("morphserve_lm_head_int8", 0) == 0 and m, timeout=120, interval=0.5)
     assert after, "the server did not return to full precision after the burst"
     assert after['morphserve_layer_swaps_total{direction="up"}'] == after['morphserve_layer_swaps_total{direction="down"}']
     assert after['morphserve_kv_cache_blocks{type="used"}'] == 0

@@ -40,9 +40,10 @@ def test_a_new_engine_counts_from_zero(metrics):
 
 def test_gauges_follow_the_snapshot(metrics):
     metrics.update(EngineStats(waiting=3, running=2, kv_blocks_total=80, kv_blocks_used=20, kv_blocks_free=60,
-                               kv_usage=0.25, int4_layers=4), active=5)
+                               kv_usage=0.25, int4_layers=4, lm_head_int8=1), active=5)
     get = lambda name, **kw: FakeMetricFamily.created[name].get(**kw).value  # noqa: E731
     assert (get("morphserve_requests", state="active"), get("morphserve_requests", state="waiting"),
             get("morphserve_requests", state="scheduled")) == (5, 3, 2)
     assert get("morphserve_kv_cache_blocks", type="max") == 80 and get("morphserve_kv_cache_usage_ratio") == 0.25
     assert get("morphserve_int4_layers") == 4 and get("morphserve_kv_capacity_blocks") == 64
+    assert get("morphserve_lm_head_int8") == 1

@@ -1,6 +1,7 @@
 """Perplexity versus the number of INT4 layers, for several swap orders (the paper's Table 3/8 for this model).
 
     python -m tools.eval_quality [--fragment-dir DIR] [--corpus FILE] [--windows 8 --seq-len 256] [--out results/quality]
+    python -m tools.eval_quality --lm-head --fragment-dir DIR   # the INT8 embedding / LM head's cost (lm_head.json)
 
 Held-out text: the last 10% of the corpus (calibration and profiling use the first 80%). Orders:
 front-to-back, back-to-front, random (seeded) and LIS (the profiled swap order in the manifest). Writes
@@ -38,8 +39,11 @@ def orders(model: OfflineModel, seed: int) -> dict[str, list[int]]:
     return out
 
 
-def perplexity(model: OfflineModel, ids, layers: list[int], batch: int = 4) -> float:
+def perplexity(model: OfflineModel, ids, layers: list[int], batch: int = 4, head_int8: bool | None = None) -> float:
+    """head_int8: bind the embedding / LM head to its INT8 fragment (True) or its full table (False); None leaves it."""
     model.set_quantized(layers)
+    if head_int8 is not None:
+        model.set_head(head_int8)
     nll, n = 0.0, 0
     for i in range(0, ids.shape[0], batch):
         a, b = model.nll(ids[i : i + batch])
@@ -90,6 +94,41 @@ def storage_check(args, t0: float) -> int:
     return 0
 
 
+def head_check(args, t0: float) -> int:
+    """The INT8 embedding / LM head's quality cost: perplexity with the table at full precision (stored in fp32
+    and in fp16) and in INT8, with no INT4 layer and with every layer INT4 (the serving order's end), on the same
+    held-out tokens. Needs a fragment set with the head's INT8 fragment (engines.build_fragments --lm-head-int8)."""
+    import torch
+
+    out: dict = {"command": f"python -m tools.eval_quality --lm-head --fragment-dir {args.fragment_dir}", **code_version(),
+                 "load_avg_1m_start": round(os.getloadavg()[0], 2),
+                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
+                              "seq_len": args.seq_len}, "runs": []}
+    for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
+        model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)
+        if model.head_int8 is None:
+            raise SystemExit(f"{args.fragment_dir}: no INT8 lm_head fragment (python -m engines.build_fragments --lm-head-int8)")
+        ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+        n = model.config.num_layers
+        for layers in ([], model.manifest.swap_order()[:n]) if name == "float32" else ([],):
+            row = {"weight_dtype": name, "int4_layers": len(layers)}
+            for head, int8 in (("full", False), ("int8", True)):
+                row[head] = perplexity(model, ids, layers, head_int8=int8)
+            row["int8_vs_full_pct"] = 100 * (row["int8"] / row["full"] - 1)
+            out["runs"].append(row)
+            print(f"[quality] weights {name}, {len(layers)} INT4 layers: lm_head full {row['full']:.4f}, INT8 "
+                  f"{row['int8']:.4f} ({row['int8_vs_full_pct']:+.3f}%)", flush=True)
+        head = out.setdefault("lm_head", {k: model.manifest.data["lm_head"].get(k) for k in ("swap_rank", "rank_profile")})
+        head.setdefault("bytes", {"int8": model.head_int8.nbytes})["full_" + name] = model.head_full.nbytes
+    out["held_out"]["tokens"] = int(ids[:, 1:].numel())
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    dest = Path(args.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "lm_head.json").write_text(json.dumps(out, indent=1))
+    print(f"[quality] {out['seconds']} s; wrote {dest}/lm_head.json")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.eval_quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,10 +140,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "quality"))
     ap.add_argument("--storage-check", action="store_true",
                     help="only the full-precision perplexity with fp32- and fp16-stored weights (storage.json)")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="only the INT8 embedding / LM head's cost: perplexity with it full vs INT8 (lm_head.json)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     if args.storage_check:
         return storage_check(args, t0)
+    if args.lm_head:
+        return head_check(args, t0)
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
     ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
     n = model.config.num_layers

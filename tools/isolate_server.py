@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Iterable
 
 SERVER_NAMES = ("tritonserver", "triton_python_")  # /proc/<pid>/comm is cut at 15 characters
 
@@ -26,8 +27,14 @@ def parse_cpus(spec: str) -> set[int]:
     """'0', '0,1' or '0-3' -> a set of CPU numbers."""
     cpus: set[int] = set()
     for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(f"CPU list {spec!r}: {part!r} is not a CPU number or a range like 0-3") from None
+        if first < 0 or last < first:
+            raise ValueError(f"CPU list {spec!r}: {part!r} is not a range of CPU numbers (low-high, low <= high)")
+        cpus.update(range(first, last + 1))
     return cpus
 
 
@@ -56,18 +63,23 @@ def pin(pid: int, cpus: set[int]) -> bool:
     return changed
 
 
-def sweep(server_cpus: set[int], other_cpus: set[int]) -> tuple[int, int]:
-    """One pass over /proc: (server processes moved, other processes moved)."""
+def sweep(server_cpus: set[int], other_cpus: set[int], pids: Iterable[int] | None = None) -> tuple[int, int]:
+    """One pass over /proc: (server processes moved, other processes moved). `pids`: only these processes (this
+    process is then left alone too); by default every process, this one on the other CPUs."""
     moved_server = moved_other = 0
+    only = None if pids is None else set(pids)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         pid = int(entry)
+        if only is not None and pid not in only:
+            continue
         if is_server(pid):
             moved_server += pin(pid, server_cpus)
         elif pid != os.getpid():
             moved_other += pin(pid, other_cpus)
-    pin(os.getpid(), other_cpus)
+    if only is None:
+        pin(os.getpid(), other_cpus)
     return moved_server, moved_other
 
 
@@ -83,8 +95,11 @@ def main(argv=None) -> int:
         sweep(every, every)
         print(f"[isolate] every process back on CPUs {sorted(every)}")
         return 0
-    server = parse_cpus(args.server_cpus)
-    other = parse_cpus(args.other_cpus) if args.other_cpus else every - server
+    try:
+        server = parse_cpus(args.server_cpus)
+        other = parse_cpus(args.other_cpus) if args.other_cpus else every - server
+    except ValueError as e:
+        ap.error(str(e))
     if not server or not other or not (server | other) <= every:
         ap.error(f"need non-empty CPU sets within {sorted(every)}: server {sorted(server)}, other {sorted(other)}")
     print(f"[isolate] server processes on CPUs {sorted(server)}, everything else on {sorted(other)}", flush=True)

@@ -16,9 +16,11 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 # The C++ CPU kernels (build/kernels/) and the fragments are generated (git-ignored); each step is cached and does nothing when up to date:
-# full-precision fragments, then AWQ INT4 (+ INT8) fragments calibrated with ModelOpt, then the LIS swap order.
+# full-precision fragments and the INT8 embedding / LM head, then AWQ INT4 (+ INT8) fragments calibrated with
+# ModelOpt, then the LIS swap order, then the head's rank in it (a set that predates the head unit gets it here).
 .venv/bin/python -m plugins.cpu_kernels
 .venv/bin/python -m engines.build_fragments --if-missing
 bash tools/setup_calib.sh
 .venv/bin/python -m engines.quantize_awq
 .venv/bin/python -m tools.profile_layers --if-missing
+.venv/bin/python -m engines.build_fragments --lm-head-int8 --if-missing

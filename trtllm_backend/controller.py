@@ -1,8 +1,13 @@
 """When to morph: policies and the controller that turns per-iteration signals into actions.
 
+Two pressures swap down: a KV shortage (always), and decode time (only with `down_tpot_s` set, and only where
+the morph manager measured the next unit's quantized form faster than its full one at the current decode
+batch): TPOT above `down_tpot_s` with requests waiting.
+
 Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
 and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the last
-action) before a restore. Restores undo the most recent swap first.
+action) before a restore; with the TPOT pressure on, a restore also waits for TPOT at or below
+`up_tpot_ratio * down_tpot_s`. Restores undo the most recent swap first.
 """
 from __future__ import annotations
 
@@ -35,8 +40,11 @@ class MorphPolicy:
     down_persist: int = 2  # consecutive pressured iterations before swapping down
     up_kv_usage: float = 0.50  # restore only if usage stays below this after the shrink
     up_quiet_s: float = 2.0  # seconds without pressure before restoring
+    down_tpot_s: float = 0.0  # the TPOT SLO: decode slower than this with requests waiting is pressure (0: off)
+    up_tpot_ratio: float = 0.7  # with down_tpot_s set, restore only while TPOT <= this fraction of it
 
-    TUNABLE = ("layers_per_action", "max_int4_layers", "down_kv_usage", "down_queue_wait_s", "down_persist", "up_kv_usage", "up_quiet_s")
+    TUNABLE = ("layers_per_action", "max_int4_layers", "down_kv_usage", "down_queue_wait_s", "down_persist", "up_kv_usage",
+               "up_quiet_s", "down_tpot_s", "up_tpot_ratio")
 
     def validate(self, num_layers: int) -> None:
         def bad(name, why):
@@ -57,6 +65,10 @@ class MorphPolicy:
             bad("down_persist", "must be >= 1")
         if self.down_queue_wait_s < 0 or self.up_quiet_s < 0:
             bad("up_quiet_s" if self.up_quiet_s < 0 else "down_queue_wait_s", "must be >= 0")
+        if self.down_tpot_s < 0:
+            bad("down_tpot_s", "must be >= 0 (0 turns the decode-time pressure off)")
+        if not 0.0 < self.up_tpot_ratio < 1.0:
+            bad("up_tpot_ratio", "must be in (0, 1) (hysteresis)")
 
 
 def _modes(num_layers: int) -> dict[str, MorphPolicy]:
@@ -71,7 +83,9 @@ def _modes(num_layers: int) -> dict[str, MorphPolicy]:
 
 
 def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> MorphPolicy:
-    """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides."""
+    """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides. `num_layers` counts the swappable
+    units: the decoder layers, plus the tied embedding / LM head where the fragment set has its INT8 fragment
+    (then "int4" and `int4:N` take the head too at its place in the swap order, and the limits count it)."""
     spec = (spec or "").strip().lower()
     modes = _modes(num_layers)
     if spec in modes:
@@ -115,8 +129,10 @@ class Signals:
     new_preemptions: int
     head_blocks_short: int  # blocks the head of the queue lacks (0 if none waits)
     blocks_per_layer: int  # KV blocks one swapped layer buys
-    int4_layers: int
+    int4_layers: int  # units swapped down: INT4 layers, plus the INT8 LM head when swapped
     usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
+    tpot_s: float = 0.0  # recent decode iteration time (the engine's moving average; 0 with nothing decoding)
+    swap_speeds_up: bool = False  # the next unit's quantized form was measured faster at the current decode batch
 
 
 @dataclass(slots=True)
@@ -153,6 +169,11 @@ class Controller:
             why.append(f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})")
         if s.new_preemptions:
             why.append(f"{s.new_preemptions} preemption(s)")
+        # NOTE: decode time counts only where a swap was measured to make decode faster on this machine: there,
+        # morphing helps a queue that waits on slow iterations too (elsewhere it would not, see above).
+        if p.down_tpot_s and s.waiting and s.tpot_s > p.down_tpot_s and s.swap_speeds_up:
+            why.append(f"TPOT {s.tpot_s * 1e3:.1f} ms above the SLO {p.down_tpot_s * 1e3:.1f} ms with {s.waiting} "
+                       f"waiting (the next swap measured faster)")
         if why:
             self.pressure_streak += 1
             self.last_pressure = s.now
@@ -172,6 +193,7 @@ class Controller:
             and s.waiting == 0
             and quiet >= p.up_quiet_s
             and s.usage_after_shrink <= p.up_kv_usage
+            and (not p.down_tpot_s or s.tpot_s <= p.up_tpot_ratio * p.down_tpot_s)
         ):
             self.last_action = s.now
             return Action("up", min(p.layers_per_action, s.int4_layers), f"quiet {quiet:.1f}s, KV usage after shrink {s.usage_after_shrink:.0%}")

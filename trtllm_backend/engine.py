@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .controller import Signals, parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
-from .invariants import binding_violations, block_violations, layer_bytes, memory_violations
+from .invariants import binding_violations, block_violations, head_violations, layer_bytes, memory_violations
 from .kv_cache import KVPool
 from .manifest import Manifest
 from .model import LlamaModel
@@ -55,6 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
         self._seen_preemptions = 0
+        self._tpot = 0.0  # moving average of decode iteration time (the controller's TPOT signal)
         self.streams: dict[str, OutputStream] = {}
         self.requests: dict[str, Request] = {}
         self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
@@ -70,9 +71,11 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
-        policy = parse_policy(config.morph_policy, mc.num_layers, config.morph_overrides)
+        # The policy counts units: the layers, and the tied embedding / LM head where the set has its INT8 fragment.
+        units = mc.num_layers + (1 if self.manifest.head_swappable() else 0)
+        policy = parse_policy(config.morph_policy, units, config.morph_overrides)
         self.morph = MorphManager(policy, manifest=self.manifest, store=self.store, slots=self.model.slots, pool=self.pool,
-                                  shared_nbytes=self.model.shared_nbytes, counters=self.counters,
+                                  shared_nbytes=self.model.shared_nbytes, counters=self.counters, head=self.model.head,
                                   budget_bytes=config.memory_budget_bytes, forced=config.forced_morph_actions())
         self._publish_stats()
 
@@ -246,8 +249,10 @@ class LLMEngine:
             new_preemptions=preemptions,
             head_blocks_short=short,
             blocks_per_layer=m.blocks_per_layer,
-            int4_layers=m.int4_layers,
+            int4_layers=m.morphed_units,
             usage_after_shrink=m.usage_after_shrink(),
+            tpot_s=self._tpot,
+            swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.down_tpot_s else False,
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
         if self.config.check_invariants:
@@ -257,14 +262,15 @@ class LLMEngine:
         """The broken state invariants, one line each with the state that shows it (engine thread, or with no
         engine thread running)."""
         m, slots = self.morph, self.model.slots
-        swapped = [s.layer for s in m.swapped]
+        swapped = m.swapped_layers
         key = (tuple((id(s.weights), s.precision) for s in slots), tuple(swapped))
         if key != self._bindings_checked[0]:  # NOTE: bindings change only with a swap: checked then, not each time
             found = binding_violations(slots, self.manifest, swapped)
             self._bindings_checked = (key, layer_bytes(slots), found)
         _, layers, found = self._bindings_checked
         return (memory_violations(m.account, self.pool, layers)
-                + block_violations(self.pool, [r.block_table for r in self.scheduler.running]) + found)
+                + block_violations(self.pool, [r.block_table for r in self.scheduler.running]) + found
+                + head_violations(self.model, self.manifest, m.account, m.head_int8))
 
     def _note_violations(self, found: list[str]) -> None:
         self.counters.invariant_violations += len(found)
@@ -283,8 +289,10 @@ class LLMEngine:
         self.counters.preemptions = self.scheduler.num_preemptions
         self._admission_blocked = sched.admission_blocked
         if not sched.scheduled:
+            self._tpot = 0.0
             self._publish_stats()
             return
+        t_step = time.monotonic()
         ids, pos, seqs, rows, samplers = [], [], [], [], []
         start = 0
         for req, n in sched.scheduled:
@@ -310,6 +318,8 @@ class LLMEngine:
                             [r.output_ids if r.params.penalized else [] for r in samplers])
             int4 = self.num_quantized_layers()
             now = time.monotonic()
+            if any(r.timings.first_token is not None for r in samplers):  # a decode iteration: its time is a TPOT
+                self._tpot = now - t_step if not self._tpot else 0.8 * self._tpot + 0.2 * (now - t_step)
             for req, tok in zip(samplers, tokens):
                 req.token_ids.append(tok)
                 self.counters.generation_tokens += 1
@@ -354,6 +364,7 @@ class LLMEngine:
             generation_tokens=c.generation_tokens,
             iterations=c.iterations,
             int4_layers=self.num_quantized_layers(),
+            lm_head_int8=int(self.morph.head_int8),
             swaps_down=c.swaps_down,
             swaps_up=c.swaps_up,
             kv_grows=c.kv_grows,

@@ -6,6 +6,8 @@ import json
 import struct
 from pathlib import Path
 
+from .errors import FragmentError
+from .head import DenseTable
 from .layers import LayerWeights, dense_layer
 from .manifest import Manifest
 from .precision import Precision
@@ -39,6 +41,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+HEAD_TENSOR = "model.embed_tokens"  # the INT8 table's tensors: <HEAD_TENSOR>.weight (int8), .scales (fp32)
+
+
 class FragmentStore:
     """Reads verified fragment files; `load_layer` may run on any thread (it touches no engine state)."""
 
@@ -52,6 +57,16 @@ class FragmentStore:
 
     def load_shared(self) -> dict[str, torch.Tensor]:
         return {k: v.to(self.dtype if v.dim() == 1 else self.weight_dtype) for k, v in self._read(self.manifest.data["shared"]).items()}
+
+    def load_head(self, precision: str = Precision.FULL):
+        """The tied embedding / LM head table in `precision` (full: from the shared file, in weight_dtype)."""
+        if precision == Precision.FULL:
+            return DenseTable(self.load_shared()["model.embed_tokens.weight"])
+        from plugins.int8_linear import Int8Table  # quantized kernels load only when used
+
+        if precision != Precision.INT8:
+            raise FragmentError(f"lm_head: no runtime for a '{precision}' table (int8 only)")
+        return Int8Table.from_tensors(self._read(self.manifest.head_fragment(precision)), HEAD_TENSOR + ".")
 
     def load_layer(self, index: int, precision: str = Precision.FULL) -> LayerWeights:
         entry = self.manifest.fragment(index, precision)

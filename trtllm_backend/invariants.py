@@ -3,7 +3,7 @@ a few hundred set operations per iteration).
 
 - memory: the account's resident bytes never exceed the budget, and match the tensors that exist;
 - blocks: no block in two block tables, none both held and free, free + used = the pool's size;
-- bindings: each layer slot is bound to a precision the manifest has for it, at no more bytes than the
+- bindings: each layer slot (and the embedding / LM head table) is bound to a precision the manifest has for it, at no more bytes than the
   manifest's fragment, and the INT4 slots are exactly the layers the morph manager swapped.
 
 Each check returns one line per broken invariant, with the state that shows it (empty when all hold).
@@ -70,4 +70,20 @@ def binding_violations(slots: list[LayerSlot], manifest: Manifest, swapped_layer
     int4 = sorted(s.index for s in slots if s.precision == Precision.INT4)
     if int4 != sorted(swapped_layers):
         out.append(f"binding: INT4 layers {int4} but the morph manager swapped {sorted(swapped_layers)}")
+    return out
+
+
+def head_violations(model, manifest: Manifest, account: MemoryAccount, swapped: bool) -> list[str]:
+    """The tied embedding / LM head: bound to a precision the manifest has, INT8 exactly when the morph manager
+    swapped it, no more bytes than its fragment, and the account's shared bytes those of the tensors."""
+    head, out = model.head, []
+    if head.precision not in manifest.head_precisions():
+        out.append(f"binding: lm_head is bound to {head.precision}, the manifest has {manifest.head_precisions()}")
+    elif head.precision != Precision.FULL and head.table.nbytes > manifest.head_fragment(head.precision)["bytes"]:
+        out.append(f"binding: lm_head ({head.precision}) holds {head.table.nbytes} bytes, its fragment "
+                   f"{manifest.head_fragment(head.precision)['bytes']}")
+    if (head.precision == Precision.INT8) != swapped:
+        out.append(f"binding: lm_head is {head.precision} but the morph manager {'swapped' if swapped else 'did not swap'} it")
+    if account.shared != model.shared_nbytes:
+        out.append(f"memory: the account says shared {account.shared} bytes, the tensors hold {model.shared_nbytes}")
     return out

@@ -10,6 +10,7 @@ from .errors import FragmentError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+HEAD_UNIT = "lm_head"  # the tied embedding / LM head: its manifest key and its name in the swap order
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,6 +87,30 @@ class Manifest:
         """Layers in the order they are swapped down; front-to-back when no profile exists."""
         order = self.data.get("swap_order")
         return list(order) if order else list(range(self.num_layers))
+
+    # ---- the tied embedding / LM head as a unit (data["lm_head"], optional; engines.build_fragments) ----------
+    def head_precisions(self) -> list[str]:
+        """The forms of the tied embedding / LM head table: "full" (in the shared file) and any fragments."""
+        return ["full", *self.data.get(HEAD_UNIT, {}).get("fragments", {})]
+
+    def head_fragment(self, precision: str) -> dict:
+        frags = self.data.get(HEAD_UNIT, {}).get("fragments", {})
+        if precision not in frags:
+            raise FragmentError(f"lm_head: no '{precision}' fragment in {self.dir / MANIFEST}")
+        return frags[precision]
+
+    def head_swappable(self) -> bool:
+        """The table is tied and has an INT8 fragment: it is one unit of the swap order."""
+        return self.config.tie_word_embeddings and "int8" in self.head_precisions()
+
+    def unit_order(self) -> list[int | str]:
+        """The swap order of every swappable unit: the layers' order with HEAD_UNIT at its rank (the position the
+        importance score gave it, engines.layer_importance.head_rank; first when not profiled)."""
+        order: list[int | str] = self.swap_order()
+        if self.head_swappable():
+            rank = self.data[HEAD_UNIT].get("swap_rank") or 0
+            order.insert(min(max(0, int(rank)), len(order)), HEAD_UNIT)
+        return order
 
     def side_file(self, name: str) -> Path:
         """A plain side file (the tokenizer); it is generated with the set but carries no hash."""

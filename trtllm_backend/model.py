@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from plugins import skinny_gemm
 from plugins.elementwise import rms_norm
 
 from .attention import AttentionPlan
 from .fragments import FragmentStore
+from .head import DenseTable, HeadSlot
 from .layers import LayerSlot, run_layers
 from .manifest import ModelConfig
 
@@ -17,9 +16,10 @@ class LlamaModel:
     def __init__(self, store: FragmentStore, max_positions: int):
         self.config: ModelConfig = store.manifest.config
         shared = store.load_shared()
-        self.embed = shared["model.embed_tokens.weight"]
         self.norm = shared["model.norm.weight"]
-        self.lm_head = shared.get("lm_head.weight", self.embed)  # tied embeddings share the tensor
+        # The embedding and the LM head: one table when tied (a swappable unit, trtllm_backend/head.py).
+        untied = shared.get("lm_head.weight")
+        self.head = HeadSlot(DenseTable(shared["model.embed_tokens.weight"]), None if untied is None else DenseTable(untied))
         self.slots = [LayerSlot(i, self.config, store.load_layer(i)) for i in range(self.config.num_layers)]
         self.cos, self.sin = self._rope_tables(max_positions)
 
@@ -30,9 +30,19 @@ class LlamaModel:
         return angles.cos().to(self.norm.dtype), angles.sin().to(self.norm.dtype)
 
     @property
+    def embed(self):
+        """The embedding table's weight (a tensor at full precision, the Int8Table when morphed)."""
+        t = self.head.table
+        return t.weight if isinstance(t, DenseTable) else t
+
+    @property
+    def lm_head(self):
+        """The LM head's weight (the embedding's when tied)."""
+        return self.head.untied.weight if self.head.untied is not None else self.embed
+
+    @property
     def shared_nbytes(self) -> int:
-        tensors = {id(t): t for t in (self.embed, self.norm, self.lm_head)}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return self.norm.numel() * self.norm.element_size() + self.head.nbytes
 
     @property
     def weights_nbytes(self) -> int:
@@ -41,8 +51,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, logit_rows: torch.Tensor) -> torch.Tensor:
         """Flattened tokens of all scheduled sequences -> fp32 logits of the rows that sample."""
-        h = F.embedding(input_ids, self.embed).to(self.norm.dtype)  # fp16-stored embedding -> compute dtype
+        h = self.head.embed(input_ids).to(self.norm.dtype)  # fp16-stored or INT8 table -> compute dtype
         cos, sin = self.cos[positions], self.sin[positions]
         h = run_layers(self.slots, h, cos, sin, plan)
         h = rms_norm(h.index_select(0, logit_rows), self.norm, self.config.rms_norm_eps)
-        return skinny_gemm.linear(h, self.lm_head).float()
+        return self.head.logits(h).float()

@@ -7,7 +7,10 @@ of the running requests; every state change happens inside that call. Reading an
 happens on a background thread while the engine keeps stepping; only the rebinding (and the KV segment
 change it pays for) happens on the engine thread.
 
-Swap down, one layer at a time: stage the INT4 fragment (in the reserve) -> rebind the slot -> drop the
+The units swapped are the decoder layers (to INT4) and, where the fragment set has its INT8 fragment, the tied
+embedding / LM head table (to INT8), in one order (Manifest.unit_order): the controller's counts are units.
+
+Swap down, one unit at a time: stage the quantized fragment (in the reserve) -> rebind the slot -> drop the
 full fragment -> the freed bytes become a new KV segment of whole blocks.
 Restore, most recent swap first: stop allocating from that layer's segment, move its live blocks into free
 blocks elsewhere (over as many iterations as it takes), release it -> stage the full fragment in the released
@@ -27,20 +30,31 @@ from dataclasses import dataclass, field
 from .controller import Action, Controller, MorphPolicy, Signals
 from .errors import FragmentError
 from .fragments import FragmentStore
+from .head import HeadSlot
 from .kv_cache import KVPool, KVSegment
-from .layers import LayerSlot
-from .manifest import Manifest
+from .layers import LayerSlot, LayerWeights
+from .manifest import HEAD_UNIT, Manifest
 from .memory import MemoryAccount
 from .outputs import EngineStats
 from .precision import Precision
 
 log = logging.getLogger("morphserve.morph")
 
+# The decode-speed calibration (TPOT pressure): batches timed, runs per form (the fastest counts), the buffer
+# streamed before each run to evict the weights (larger than this CPU's L3), and the speed-up that counts.
+CALIBRATION_BATCHES = (1, 4, 16, 32)
+CALIBRATION_REPS = 5
+CALIBRATION_FLUSH_BYTES = 64 << 20
+SPEEDUP_MARGIN = 1.05  # below it the difference is within run-to-run noise here
+
+
+Unit = int | str  # a layer index, or HEAD_UNIT
+
 
 @dataclass(slots=True)
 class _Job:
     kind: str  # "down" or "up"
-    layer: int
+    unit: Unit
     future: Future
     staged_bytes: int
     started: float
@@ -48,7 +62,7 @@ class _Job:
 
 @dataclass(slots=True)
 class _Swapped:
-    layer: int
+    unit: Unit
     segment: KVSegment | None  # the KV blocks this swap paid for (None once released)
 
 
@@ -79,12 +93,13 @@ class MorphManager:
     store: FragmentStore
     slots: list[LayerSlot]
     pool: KVPool
-    shared_nbytes: int  # embedding, final norm, LM head: resident, never swapped
+    shared_nbytes: int  # embedding, final norm, LM head as loaded (the head's part follows `head` when it swaps)
     counters: EngineStats  # the engine's live counters: swaps, KV grows and shrinks, failures
+    head: HeadSlot | None = None  # the tied embedding / LM head; a unit when the set has its INT8 fragment
     budget_bytes: int | None = None
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (controller.parse_forced)
     swapped: list[_Swapped] = field(default_factory=list)  # a stack: restores pop from the end
-    failed: set[int] = field(default_factory=set)
+    failed: set[Unit] = field(default_factory=set)
     pending_down: int = 0
     pending_up: int = 0
     job: _Job | None = None
@@ -94,13 +109,22 @@ class MorphManager:
         m = self.manifest
         self.controller = Controller(self.policy, forced=dict(self.forced))
         self.swap_log = SwapLog()
-        self.order = m.swap_order()
         self.quantizable = all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers))
         int4_bytes = [m.fragment(i, Precision.INT4)["bytes"] for i in range(m.num_layers)] if self.quantizable else []
-        self.reserve = max(int4_bytes, default=0)
-        # Resident bytes of each full-precision layer, known exactly before anything is swapped.
-        self.full_bytes = [slot.weights.nbytes for slot in self.slots]
-        # KV blocks one swapped layer buys (what the controller sizes a swap with).
+        self.head_unit = self.quantizable and self.head is not None and self.head.swappable and m.head_swappable()
+        self.order: list[Unit] = m.unit_order() if self.head_unit else m.swap_order()
+        # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
+        self.down_bytes: dict[Unit, int] = dict(enumerate(int4_bytes))
+        if self.head_unit:
+            self.down_bytes[HEAD_UNIT] = m.head_fragment(Precision.INT8)["bytes"]
+        self.reserve = max(self.down_bytes.values(), default=0)
+        # Resident bytes of each full-precision unit, known exactly before anything is swapped.
+        self.full_bytes: dict[Unit, int] = {slot.index: slot.weights.nbytes for slot in self.slots}
+        self._fixed_shared = self.shared_nbytes  # the shared bytes that never swap (the norm, an untied head)
+        if self.head_unit:
+            self.full_bytes[HEAD_UNIT] = self.head.table.nbytes
+            self._fixed_shared -= self.head.table.nbytes
+        # KV blocks one swapped layer buys (what the controller sizes a swap with; the head buys more).
         self.blocks_per_layer = max(0, (self.full_bytes[0] - (int4_bytes[0] if int4_bytes else 0)) // self.pool.bytes_per_block)
         self.account = MemoryAccount(budget=0, reserve=self.reserve, shared=self.shared_nbytes)
         self._refresh()
@@ -113,6 +137,10 @@ class MorphManager:
             )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
+        # full / quantized decode time of each kind of unit by batch (the TPOT pressure's evidence), measured here
+        self.speedup: dict[str, dict[int, float]] = {}
+        if self.policy.dynamic and self.policy.down_tpot_s and self.quantizable:
+            self._calibrate()
         if (self.policy.dynamic or self.policy.static_int4_layers) and not self.quantizable:
             if self.policy.static_int4_layers:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
@@ -125,7 +153,21 @@ class MorphManager:
     # ---- state the engine reads (engine thread) --------------------------------------------------------
     @property
     def int4_layers(self) -> int:
+        """Decoder layers bound to INT4."""
+        return sum(1 for s in self.swapped if s.unit != HEAD_UNIT)
+
+    @property
+    def morphed_units(self) -> int:
+        """Units swapped down (INT4 layers and the INT8 head): what the controller counts."""
         return len(self.swapped)
+
+    @property
+    def head_int8(self) -> bool:
+        return any(s.unit == HEAD_UNIT for s in self.swapped)
+
+    @property
+    def swapped_layers(self) -> list[int]:
+        return [s.unit for s in self.swapped if s.unit != HEAD_UNIT]
 
     def usage_after_shrink(self) -> float:
         """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink)."""
@@ -144,9 +186,60 @@ class MorphManager:
         if self.job is not None:
             wait_futures([self.job.future], timeout=timeout_s)
 
+    def swap_speeds_up(self, batch: int) -> bool:
+        """Whether the next swap down was measured to make a decode step of `batch` rows faster (TPOT pressure)."""
+        candidates = self._candidates() if self.speedup else []
+        if not candidates:
+            return False
+        ratios = self.speedup["lm_head" if candidates[0] == HEAD_UNIT else "layer"]
+        at = min((b for b in ratios if b >= batch), default=max(ratios))  # the nearest measured batch at or above
+        return ratios[at] >= SPEEDUP_MARGIN
+
+    # ---- decode speed ---------------------------------------------------------------------------
+    def _calibrate(self) -> None:
+        """Time the first layer and (when a unit) the head of the swap order, full vs quantized, at decode batch
+        sizes. Cold: a buffer larger than the caches is streamed before each run, since in decode every weight
+        comes from memory. Runs at load, only with the TPOT pressure on (0.9 s here with the head, one busy core)."""
+        import torch
+
+        t0 = time.monotonic()
+        layer = next(u for u in self.order if u != HEAD_UNIT)
+        quant_layer = self.store.load_layer(layer, Precision.INT4)
+        forms = {"layer": (self.slots[layer].weights, quant_layer)}
+        if self.head_unit:
+            forms["lm_head"] = (self.head.table, self.store.load_head(Precision.INT8))
+        flush = torch.empty(CALIBRATION_FLUSH_BYTES // 4)
+        c = self.manifest.config
+
+        def run(weights, x, xi):
+            if isinstance(weights, LayerWeights):
+                weights.qkv(x), weights.o(x), weights.gate_up(x), weights.down(xi)
+            else:
+                weights.linear(x)
+
+        with torch.inference_mode():
+            for kind, (full, quant) in forms.items():
+                self.speedup[kind] = {}
+                for batch in CALIBRATION_BATCHES:
+                    x, xi = torch.randn(batch, c.hidden_size), torch.randn(batch, c.intermediate_size)
+                    best = {}
+                    for name, weights in (("full", full), ("quant", quant)):
+                        times = []
+                        for _ in range(CALIBRATION_REPS):
+                            flush.fill_(1.0)
+                            t = time.perf_counter()
+                            run(weights, x, xi)
+                            times.append(time.perf_counter() - t)
+                        best[name] = min(times)
+                    self.speedup[kind][batch] = best["full"] / best["quant"]
+        del quant_layer, forms, flush
+        log.info("morph: decode speed full/quantized by batch, measured at load in %.0f ms: %s", (time.monotonic() - t0) * 1e3,
+                 {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()})
+
     # ---- accounting -----------------------------------------------------------------------------
     def _refresh(self) -> None:
         a = self.account
+        a.shared = self._fixed_shared + (self.head.table.nbytes if self.head_unit else 0)
         a.layers = sum(s.weights.nbytes for s in self.slots)
         a.kv = self.pool.nbytes
         a.staged = self.job.staged_bytes if self.job else 0
@@ -193,15 +286,15 @@ class MorphManager:
             k = min(action.layers, len(self._candidates()))
             if k:
                 self.pending_down = k
-                log.info("morph: swap %d layer(s) to INT4 (%d now) - %s", k, self.int4_layers, action.reason)
+                log.info("morph: swap %d unit(s) down (%d now) - %s", k, self.morphed_units, action.reason)
         else:
-            k = min(action.layers, self.int4_layers)
+            k = min(action.layers, self.morphed_units)
             if k:
                 self.pending_up = k
-                log.info("morph: restore %d layer(s) to full precision (%d INT4 now) - %s", k, self.int4_layers, action.reason)
+                log.info("morph: restore %d unit(s) to full precision (%d swapped now) - %s", k, self.morphed_units, action.reason)
 
-    def _candidates(self) -> list[int]:
-        done = {s.layer for s in self.swapped}
+    def _candidates(self) -> list[Unit]:
+        done = {s.unit for s in self.swapped}
         return [i for i in self.order if i not in done and i not in self.failed]
 
     # ---- swap down ------------------------------------------------------------------------------------
@@ -210,21 +303,34 @@ class MorphManager:
         if not candidates:
             self.pending_down = 0
             return
-        layer = candidates[0]
-        staged = self.manifest.fragment(layer, Precision.INT4)["bytes"]
+        unit = candidates[0]
+        staged = self.down_bytes[unit]
         if not self.account.fits(staged):
             # NOTE: nothing frees budget on its own (KV grows only into what is left): waiting would retry every
             # iteration and keep the manager busy forever
-            log.warning("morph: no room to stage layer %d (%d bytes, %d of %d budget bytes used); the swap is given up",
-                        layer, staged, self.account.used, self.account.budget)
+            log.warning("morph: no room to stage %s (%d bytes, %d of %d budget bytes used); the swap is given up",
+                        _name(unit), staged, self.account.used, self.account.budget)
             self.pending_down = 0
             return
-        self._submit("down", layer, Precision.INT4, staged)
+        self._submit("down", unit, staged)
 
-    def _submit(self, kind: str, layer: int, precision: Precision, staged: int) -> None:
-        fut = self.executor.submit(self.store.load_layer, layer, precision)
-        self.job = _Job(kind, layer, fut, staged, time.monotonic())
+    def _submit(self, kind: str, unit: Unit, staged: int) -> None:
+        if unit == HEAD_UNIT:
+            fut = self.executor.submit(self.store.load_head, Precision.INT8 if kind == "down" else Precision.FULL)
+        else:
+            fut = self.executor.submit(self.store.load_layer, unit, Precision.INT4 if kind == "down" else Precision.FULL)
+        self.job = _Job(kind, unit, fut, staged, time.monotonic())
         self._refresh()
+
+    def _bind(self, unit: Unit, weights, down: bool) -> str:
+        """Rebind a unit to its swapped-down or full form; returns the precision bound. The old form is dropped."""
+        if unit == HEAD_UNIT:
+            precision = Precision.INT8 if down else Precision.FULL
+            self.head.bind(weights, precision)
+        else:
+            precision = Precision.INT4 if down else Precision.FULL
+            self.slots[unit].bind(weights, precision)
+        return precision
 
     def _swap_down_now(self) -> None:
         """Synchronous swap (static policies at load)."""
@@ -241,27 +347,26 @@ class MorphManager:
             weights = job.future.result()
         except Exception as err:  # anything the staging thread raised (a bad file, a failed allocation, a bug)
             self.counters.swap_failures += 1
-            log.error("morph: cannot load layer %d for %s: %s; the layer stays where it is", job.layer, job.kind, err)
+            log.error("morph: cannot load %s for %s: %s; it stays where it is", _name(job.unit), job.kind, err)
             if job.kind == "down":
-                self.failed.add(job.layer)
+                self.failed.add(job.unit)
                 self.pending_down = max(0, self.pending_down - 1)
             else:
                 self.pending_up = 0
             self._refresh()
             return
         t0 = time.monotonic()
-        slot = self.slots[job.layer]
         if job.kind == "down":
-            old = slot.bind(weights, Precision.INT4)
-            del old, weights  # the full fragment's memory goes back now
+            precision = self._bind(job.unit, weights, down=True)
+            del weights  # the full fragment's memory goes back now (the slot held the only other reference)
             self._refresh()
             seg = self._grow_kv()
-            self.swapped.append(_Swapped(job.layer, seg))
+            self.swapped.append(_Swapped(job.unit, seg))
             self.counters.swaps_down += 1
             self.pending_down -= 1
         else:
-            old = slot.bind(weights, Precision.FULL)
-            del old, weights
+            precision = self._bind(job.unit, weights, down=False)
+            del weights
             self.swapped.pop()
             self.counters.swaps_up += 1
             self.pending_up -= 1
@@ -269,8 +374,9 @@ class MorphManager:
             self._grow_kv()  # the INT4 fragment's bytes are free again: keep the reserve, use the rest
         apply = time.monotonic() - t0
         self.swap_log.record(prepare, apply)
-        log.info("morph: layer %d -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers)",
-                 job.layer, slot.precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers)
+        log.info("morph: %s -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers, lm_head %s)",
+                 _name(job.unit), precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers,
+                 Precision.INT8 if self.head_int8 else Precision.FULL)
 
     # ---- restore -----------------------------------------------------------------------------------
     def _start_up(self, block_tables: list[list[int]]) -> None:
@@ -301,21 +407,25 @@ class MorphManager:
         return True
 
     def _stage_full(self, block_tables: list[list[int]]) -> None:
-        layer = self.swapped[-1].layer
-        staged = self.full_bytes[layer]
+        unit = self.swapped[-1].unit
+        staged = self.full_bytes[unit]
         if self.account.fits(staged):
-            self._submit("up", layer, Precision.FULL, staged)
+            self._submit("up", unit, staged)
             return
         # Bounded: each pass releases one more added segment; the base pool (the first) is never drained.
         extra = next((s for s in reversed(self.pool.segments[1:]) if not s.draining), None)
         if extra is None:
-            log.error("morph: no room to stage full layer %d (%d bytes) with every added KV segment released; "
-                      "the restore is given up", layer, staged)
+            log.error("morph: no room to stage full %s (%d bytes) with every added KV segment released; "
+                      "the restore is given up", _name(unit), staged)
             self.pending_up = 0
             return
-        log.warning("morph: no room to stage full layer %d yet; draining the KV segment at block %d too", layer, extra.base)
+        log.warning("morph: no room to stage full %s yet; draining the KV segment at block %d too", _name(unit), extra.base)
         self.draining = extra
         self._continue_drain(block_tables)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _name(unit: Unit) -> str:
+    return "the lm_head table" if unit == HEAD_UNIT else f"layer {unit}"

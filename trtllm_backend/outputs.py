@@ -43,7 +43,9 @@ class EngineStats:
     iterations: int = 0
     # Morph state (stays zero until the controller acts).
     int4_layers: int = 0
-    swaps_down: int = 0
+    lm_head_int8: int = 0  # 1 while the tied embedding / LM head runs from its INT8 fragment
+    swaps_down: int = 0  # units swapped down (layers to INT4, the LM head to INT8) and up
+
     swaps_up: int = 0
     kv_grows: int = 0
     kv_shrinks: int = 0

@@ -63,6 +63,8 @@ class TritonMetrics:
         self.kv_blocks = self._gauges("morphserve_kv_cache_blocks", "KV-cache blocks", "type", ("max", "used", "free"))
         self.kv_usage = _Gauge(self._single("morphserve_kv_cache_usage_ratio", "Used / max KV-cache blocks", gauge))
         self.int4_layers = _Gauge(self._single("morphserve_int4_layers", "Decoder layers running quantized", gauge))
+        self.lm_head_int8 = _Gauge(self._single("morphserve_lm_head_int8",
+                                                "1 while the tied embedding / LM head runs from its INT8 fragment", gauge))
         self.kv_capacity = _Gauge(self._single("morphserve_kv_capacity_blocks",
                                                "KV-cache blocks of the configured pool at full precision", gauge))
         self.memory = self._gauges("morphserve_memory_bytes", "Memory budget and resident bytes", "type",
@@ -75,7 +77,7 @@ class TritonMetrics:
                                                        counter))
         self.requests_total = self._labelled("morphserve_requests_total", "Finished requests by status", counter,
                                              "status", REQUEST_STATUSES)
-        swaps = self._labelled("morphserve_layer_swaps_total", "Layer swaps (down = to INT4)", counter, "direction",
+        swaps = self._labelled("morphserve_layer_swaps_total", "Unit swaps (down = layers to INT4, the LM head to INT8)", counter, "direction",
                                ("down", "up"))
         self.swaps = {k: _Counter(m) for k, m in swaps.items()}
         resizes = self._labelled("morphserve_kv_resizes_total", "KV-cache resizes", counter, "direction",
@@ -130,6 +132,7 @@ class TritonMetrics:
         self.kv_blocks["free"].set(stats.kv_blocks_free)
         self.kv_usage.set(stats.kv_usage)
         self.int4_layers.set(stats.int4_layers)
+        self.lm_head_int8.set(stats.lm_head_int8)
         self.memory["budget"].set(stats.memory_budget_bytes)
         self.memory["used"].set(stats.memory_used_bytes)
         self.preemptions.advance(stats.preemptions)

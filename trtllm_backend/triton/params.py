@@ -152,6 +152,10 @@ PARAMS: tuple[Param, ...] = (
         ("up_kv_usage", "float", "Restore only while KV usage stays below this (below morph_down_kv_usage).",
          in_half_open(0.0, 1.0)),
         ("up_quiet_s", "float", "Seconds without pressure before restoring a layer.", at_least(0.0)),
+        ("down_tpot_s", "float", "TPOT SLO in seconds: above it with requests waiting is pressure where the next "
+         "swap was measured faster at load (0: off).", at_least(0.0)),
+        ("up_tpot_ratio", "float", "With morph_down_tpot_s: restore only while TPOT <= this fraction of it.",
+         in_half_open(0.0, 1.0)),
     )),
     # Defaults for requests that omit a sampling input.
     Param("default_max_tokens", "int", "64", "sampling.max_tokens", "max_tokens when a request has none.",
