@@ -83,3 +83,10 @@ def test_sweep_pins_server_processes_and_the_rest_apart(sleepers):
     assert got["decoy"] == last  # not in `pids`: untouched (the sweep would have widened it)
     assert os.sched_getaffinity(0) == mine  # with `pids`, the sweeping process is left alone too
     assert iso.sweep(every, every, pids=[]) == (0, 0)
+
+
+def test_match_picks_only_the_measured_servers(sleepers, tmp_path):
+    # The sleepers run from tmp_path, so their command lines contain it; a test's servers elsewhere would not.
+    assert iso.is_server(sleepers["tritonserver"], match=str(tmp_path))
+    assert not iso.is_server(sleepers["tritonserver"], match=str(tmp_path / "elsewhere"))
+    assert not iso.is_server(sleepers["worker"], match=str(tmp_path))  # matching path, but not a server

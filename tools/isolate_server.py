@@ -38,10 +38,17 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
-def is_server(pid: int) -> bool:
+def is_server(pid: int, match: str | None = None) -> bool:
+    """A tritonserver or one of its stubs; with `match`, only one whose command line contains it (the measured
+    server's model repository path, so servers that tests start elsewhere stay on the other CPUs)."""
     try:
         with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip().startswith(SERVER_NAMES)
+            if not f.read().strip().startswith(SERVER_NAMES):
+                return False
+        if match is None:
+            return True
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return match.encode() in f.read()
     except OSError:
         return False
 
@@ -63,7 +70,8 @@ def pin(pid: int, cpus: set[int]) -> bool:
     return changed
 
 
-def sweep(server_cpus: set[int], other_cpus: set[int], pids: Iterable[int] | None = None) -> tuple[int, int]:
+def sweep(server_cpus: set[int], other_cpus: set[int], pids: Iterable[int] | None = None,
+          match: str | None = None) -> tuple[int, int]:
     """One pass over /proc: (server processes moved, other processes moved). `pids`: only these processes (this
     process is then left alone too); by default every process, this one on the other CPUs."""
     moved_server = moved_other = 0
@@ -74,7 +82,7 @@ def sweep(server_cpus: set[int], other_cpus: set[int], pids: Iterable[int] | Non
         pid = int(entry)
         if only is not None and pid not in only:
             continue
-        if is_server(pid):
+        if is_server(pid, match):
             moved_server += pin(pid, server_cpus)
         elif pid != os.getpid():
             moved_other += pin(pid, other_cpus)
@@ -88,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server-cpus", default="0")
     ap.add_argument("--other-cpus", default=None, help="default: every other CPU")
     ap.add_argument("--interval-s", type=float, default=1.0)
+    ap.add_argument("--match", default=None,
+                    help="only server processes whose command line contains this (e.g. the measuring checkout's path)")
     ap.add_argument("--release", action="store_true", help="put every process back on all CPUs and exit")
     args = ap.parse_args(argv)
     every = set(range(os.cpu_count() or 1))
@@ -105,7 +115,7 @@ def main(argv=None) -> int:
     print(f"[isolate] server processes on CPUs {sorted(server)}, everything else on {sorted(other)}", flush=True)
     try:
         while True:
-            s, o = sweep(server, other)
+            s, o = sweep(server, other, match=args.match)
             if s or o:
                 print(f"[isolate] pinned {s} server and {o} other processes", flush=True)
             time.sleep(args.interval_s)
