@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .controller import Signals, parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
-from .invariants import binding_violations, block_violations, head_violations, layer_bytes, memory_violations
+from .invariants import BlockChecker, binding_violations, head_violations, layer_bytes, memory_violations
 from .kv_cache import KVPool
 from .manifest import Manifest
 from .model import LlamaModel
@@ -62,6 +62,7 @@ class LLMEngine:
         self.counters = EngineStats()
         self._last_violations: list[str] = []
         self._bindings_checked: tuple = (None, 0, [])  # (binding key, their bytes, their violations)
+        self._blocks_checker = BlockChecker()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._pending = 0  # accepted, not yet finished (for the queue cap)
@@ -269,7 +270,7 @@ class LLMEngine:
             self._bindings_checked = (key, layer_bytes(slots), found)
         _, layers, found = self._bindings_checked
         return (memory_violations(m.account, self.pool, layers)
-                + block_violations(self.pool, [r.block_table for r in self.scheduler.running]) + found
+                + self._blocks_checker.violations(self.pool, [r.block_table for r in self.scheduler.running]) + found
                 + head_violations(self.model, self.manifest, m.account, m.head_int8))
 
     def _note_violations(self, found: list[str]) -> None:

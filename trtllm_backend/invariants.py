@@ -1,5 +1,7 @@
-"""The engine's state invariants, checked between iterations (EngineConfig.check_invariants, on by default:
-a few hundred set operations per iteration).
+"""The engine's state invariants, checked between iterations (EngineConfig.check_invariants, on by default).
+The block invariants are checked every iteration by BlockChecker at a cost that grows with what changed since the
+last one (the block tables, and the free lists compared to their last checked copy in C); it defers to the full
+scan, block_violations, for the report whenever anything may be wrong.
 
 - memory: the account's resident bytes never exceed the budget, and match the tensors that exist;
 - blocks: no block in two block tables, none both held and free, free + used = the pool's size;
@@ -54,6 +56,68 @@ def block_violations(pool: KVPool, block_tables: list[list[int]]) -> list[str]:
         out.append(f"blocks: {len(held)} held + {len(set(free))} free != {pool.num_blocks} in the pool "
                    f"(segments {[(s.base, s.num_blocks, len(s.free)) for s in pool.segments]})")
     return out
+
+
+class BlockChecker:
+    """block_violations, incrementally: the same verdict every call, but a free list equal to (or a prefix /
+    an extension of) the one it checked last costs a C-level list comparison, not a scan in Python. Any
+    doubt (a free list rewritten in the middle, a duplicate, a stray, a held block that is free, a count that
+    does not add up) and the full block_violations gives the report, with its messages."""
+
+    def __init__(self):
+        # id(segment) -> (segment, the free list as last checked, the set of it); each a checked list: no
+        # block twice and every block owned by its segment.
+        self._free: dict[int, tuple] = {}
+
+    def _free_set(self, seg) -> set[int] | None:
+        """The segment's free blocks as a set, or None if its free list has a duplicate or a stray."""
+        new, entry = seg.free, self._free.get(id(seg))
+        if entry is not None and entry[0] is seg:
+            _, old, blocks = entry
+            n, k = len(new), len(old)
+            if n == k and new == old:
+                return blocks
+            if n < k and new == old[:n]:  # blocks popped from the end (allocation)
+                blocks.difference_update(old[n:])
+                self._free[id(seg)] = (seg, new[:], blocks)
+                return blocks
+            if n > k and new[:k] == old:  # blocks appended (freed)
+                added = new[k:]
+                fresh = set(added)
+                if (len(fresh) == len(added) and fresh.isdisjoint(blocks)
+                        and seg.base <= min(added) and max(added) < seg.base + seg.num_blocks):
+                    blocks.update(fresh)
+                    self._free[id(seg)] = (seg, new[:], blocks)
+                    return blocks
+                del self._free[id(seg)]
+                return None
+        blocks = set(new)
+        if len(blocks) != len(new) or (new and not (seg.base <= min(new) and max(new) < seg.base + seg.num_blocks)):
+            self._free.pop(id(seg), None)
+            return None
+        self._free[id(seg)] = (seg, new[:], blocks)
+        return blocks
+
+    def violations(self, pool: KVPool, block_tables: list[list[int]]) -> list[str]:
+        held: set[int] = set()
+        n_held = 0
+        for table in block_tables:
+            held.update(table)
+            n_held += len(table)
+        ok = n_held == len(held)  # no block twice in one table or in two
+        n_free = 0
+        for seg in pool.segments:
+            blocks = self._free_set(seg) if ok else None
+            if blocks is None or not held.isdisjoint(blocks):
+                ok = False
+                break
+            n_free += len(blocks)
+        live = {id(seg) for seg in pool.segments}
+        for key in [k for k in self._free if k not in live]:  # released segments
+            del self._free[key]
+        if ok and n_held + n_free == pool.num_blocks:
+            return []
+        return block_violations(pool, block_tables)
 
 
 def binding_violations(slots: list[LayerSlot], manifest: Manifest, swapped_layers: list[int]) -> list[str]:
