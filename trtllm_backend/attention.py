@@ -31,6 +31,26 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def _decode_slots(dec: list[SeqSlice], L: int, bs: int, lens: torch.Tensor) -> torch.Tensor:
+    """[B, L] global slots of every cached position of each decode sequence; padding positions (past a
+    sequence's context) read its own first slot (always valid) and are masked out. Per position in Python
+    when there are few (a handful of torch ops costs more, ~16 us); else from the block tables with torch ops,
+    as per-position Python grows with the context (0.3 ms at batch 16 x 200 tokens, 1.5 ms at 1000)."""
+    if len(dec) * L <= 256:
+        rows = []
+        for s in dec:
+            row = _slots(s.block_table, 0, s.ctx_len, bs)
+            rows.append(row + row[:1] * (L - s.ctx_len))
+        return torch.tensor(rows, dtype=torch.long)
+    nb = -(-L // bs)
+    tables = [s.block_table[:nb] + s.block_table[:1] * (nb - min(nb, len(s.block_table))) for s in dec]
+    offsets = torch.arange(bs, dtype=torch.long)
+    slots = (torch.tensor(tables, dtype=torch.long)[:, :, None] * bs + offsets).view(len(dec), nb * bs)[:, :L]
+    if min(s.ctx_len for s in dec) == L:
+        return slots.contiguous()
+    return torch.where(torch.arange(L)[None, :] >= lens[:, None], slots[:, :1], slots)
+
+
 class AttentionPlan:
     """What plugins.paged_attention reads: `write`, the decode group (`decode_*`, `fused_decode`), `prefills`,
     `kv_dtype` and `head_dim`."""
@@ -60,12 +80,7 @@ class AttentionPlan:
         if dec:
             L = self.decode_len
             lens = torch.tensor([s.ctx_len for s in dec])
-            rows = []
-            for s in dec:
-                row = _slots(s.block_table, 0, s.ctx_len, bs)
-                # Padding positions read the sequence's own first slot (always valid) and are masked out.
-                rows.append(row + row[:1] * (L - s.ctx_len))
-            slots = torch.tensor(rows, dtype=torch.long)
+            slots = _decode_slots(dec, L, bs, lens)
             if (op := decode_kernel_op(pool.dtype, pool.segments[0].kv.is_cuda)) is not None:
                 self.decode_kernel = (op, [seg.kv for seg in pool.segments], *pool.locate_slots(slots), lens)
                 self.fused_decode = self.decode_only

@@ -49,6 +49,7 @@ class LLMEngine:
         from .tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer(self.manifest)
+        self._eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.model = LlamaModel(self.store, self.max_model_len)
         self.pool = KVPool(mc, config.block_size, config.torch_dtype, config.device)
         self.pool.add_segment(config.base_kv_blocks)
@@ -334,8 +335,11 @@ class LLMEngine:
 
     def _mask_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [r for r, req in enumerate(reqs) if req.params.ignore_eos or req.num_output < req.params.min_tokens]
-        if rows:  # one indexed write for the whole batch
-            eos = torch.tensor(list(self.tokenizer.eos_token_ids), dtype=torch.long)
+        if len(rows) == len(reqs):  # every row: a column fill per end-of-sequence id, no index tensors
+            for e in self._eos_ids:
+                logits[:, e] = float("-inf")
+        elif rows:  # one indexed write for the rows that need it
+            eos = torch.tensor(self._eos_ids, dtype=torch.long)
             logits[torch.tensor(rows, dtype=torch.long)[:, None], eos[None, :]] = float("-inf")
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
