@@ -357,13 +357,14 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         """Snapshot for other threads (replaced whole, never mutated after publication)."""
         c, p, s = self.counters, self.pool, self.scheduler
+        total, free = p.num_blocks, p.num_free  # each a sum over the segments: read once
         self._stats = EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
-            kv_blocks_total=p.num_blocks,
-            kv_blocks_used=p.num_used,
-            kv_blocks_free=p.num_free,
-            kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
+            kv_blocks_total=total,
+            kv_blocks_used=total - free,
+            kv_blocks_free=free,
+            kv_usage=(total - free) / total if total else 0.0,
             preemptions=s.num_preemptions,
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,

@@ -22,10 +22,10 @@ class KVSegment:
     kv: torch.Tensor  # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]
     free: list[int] = field(default_factory=list)  # global ids, popped from the end
     draining: bool = False  # no new allocations; released once empty
+    nbytes: int = field(init=False)  # of kv, fixed for the segment's life (read several times an iteration)
 
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+    def __post_init__(self):
+        self.nbytes = self.kv.numel() * self.kv.element_size()
 
     def owns(self, block: int) -> bool:
         return self.base <= block < self.base + self.num_blocks
@@ -45,6 +45,7 @@ class KVPool:
         self.device = device
         self.segments: list[KVSegment] = []
         self._next_base = 0
+        self._num_blocks = 0  # sum over segments, kept by add_segment / release_segment (read every iteration)
 
     # ---- sizing -------------------------------------------------------------------------------------
     @property
@@ -68,12 +69,14 @@ class KVPool:
         seg.free = list(range(seg.base + num_blocks - 1, seg.base - 1, -1))
         self._next_base += num_blocks
         self.segments.append(seg)
+        self._num_blocks += num_blocks
         return seg
 
     def release_segment(self, seg: KVSegment) -> None:
         if len(seg.free) != seg.num_blocks:
             raise RuntimeError(f"segment at block {seg.base} still holds {seg.num_blocks - len(seg.free)} live blocks")
         self.segments.remove(seg)
+        self._num_blocks -= seg.num_blocks
 
     def segment_of(self, block: int) -> KVSegment:
         for seg in self.segments:
@@ -110,7 +113,7 @@ class KVPool:
     # ---- blocks -------------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return sum(s.num_blocks for s in self.segments)
+        return self._num_blocks
 
     @property
     def num_allocatable(self) -> int:
