@@ -61,6 +61,20 @@ def test_broken_states_are_found():
     assert engine.check_invariants() == []
 
 
+def test_kv_memory_the_account_never_saw_is_found_across_iterations():
+    # The morph manager refreshes its account where it changes bindings or segments, not every iteration, so
+    # a segment added behind its back stays visible to the memory invariant instead of being copied in.
+    engine = make_engine()
+    _add(engine, 1, 30)
+    engine.step()
+    assert engine.counters.invariant_violations == 0
+    engine.pool.add_segment(4)
+    engine.step()
+    engine.step()
+    assert engine.counters.invariant_violations >= 2
+    assert any("the account says layers" in line for line in engine.check_invariants())
+
+
 def test_a_violation_is_counted_each_iteration_and_logged_once(caplog):
     engine = make_engine()
     _add(engine, 2, 30)

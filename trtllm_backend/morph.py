@@ -274,12 +274,19 @@ class MorphManager:
             action = self.controller.decide(signals, iteration)
             if action:
                 self._accept(action)
+        acted = changed or self.draining is not None
         if self.job is None and self.draining is None:
             if self.pending_down:
                 self._start_down()
+                acted = True
             elif self.pending_up:
                 self._start_up(block_tables)
-        self._refresh()
+                acted = True
+        # NOTE: each change of the bound weights, the KV segments or the staged bytes refreshes the account
+        # where it happens; this one is a net for those paths. An iteration that did none of them leaves the
+        # account as it was (and the memory invariant then compares it with the tensors, not with itself).
+        if acted:
+            self._refresh()
 
     def _accept(self, action: Action) -> None:
         if action.kind == "down":
