@@ -108,22 +108,25 @@ def test_slots_map_to_segments():
 
 
 def test_decode_slot_table_matches_the_per_position_one():
-    """attention._decode_slots (per position for small plans, torch ops on the block tables for larger ones:
-    sizes here cross the switch) equals the slots listed position by position,
-    padding included (a sequence's own first slot), for mixed context lengths and block sizes."""
+    """attention._decode_slots (per position for small plans, torch ops on the block tables for larger ones;
+    both occur here) equals the slots listed position by position, padding included (a sequence's own first
+    slot), for mixed context lengths and block sizes."""
     import random
 
-    from trtllm_backend.attention import SeqSlice, _decode_slots, _slots
+    from trtllm_backend.attention import SLOT_LOOP_MAX, SeqSlice, _decode_slots, _slots
 
     rng = random.Random(1)
-    for _ in range(500):
+    sizes = set()
+    for _ in range(300):
         bs = rng.choice([1, 2, 4, 16])
         dec = []
-        for i in range(rng.randint(1, 6)):
-            ctx = rng.randint(1, 70)
-            dec.append(SeqSlice(i, 1, ctx, rng.sample(range(500), -(-ctx // bs))))
+        for i in range(rng.randint(1, 8)):
+            ctx = rng.randint(1, rng.choice([70, 900]))
+            dec.append(SeqSlice(i, 1, ctx, rng.sample(range(2000), -(-ctx // bs))))
         L = max(s.ctx_len for s in dec)
+        sizes.add(len(dec) * L > SLOT_LOOP_MAX)
         rows = [_slots(s.block_table, 0, s.ctx_len, bs) for s in dec]
         want = torch.tensor([r + r[:1] * (L - len(r)) for r in rows], dtype=torch.long)
         got = _decode_slots(dec, L, bs, torch.tensor([s.ctx_len for s in dec]))
         assert got.is_contiguous() and torch.equal(got, want)
+    assert sizes == {False, True}
