@@ -107,6 +107,16 @@ def test_slots_map_to_segments():
     assert kv is p.segments[1].kv and rows is None and local.tolist() == [0, 2]
 
 
+def test_slots_map_to_the_only_segment_wherever_it_starts():
+    p = pool(blocks=2, bs=4)  # slots 0..7
+    which, local = p.locate_slots(torch.tensor([[1, 7], [0, 5]]))
+    assert which.dtype == torch.long and which.tolist() == [[0, 0], [0, 0]] and local.tolist() == [[1, 7], [0, 5]]
+    p.add_segment(3)  # slots 8..19
+    p.release_segment(p.segments[0])  # the one left starts at block 2
+    which, local = p.locate_slots(torch.tensor([8, 19, 10]))
+    assert which.tolist() == [0, 0, 0] and local.tolist() == [0, 11, 2]
+
+
 def test_decode_slot_table_matches_the_per_position_one():
     """attention._decode_slots (per position for small plans, torch ops on the block tables for larger ones;
     both occur here) equals the slots listed position by position, padding included (a sequence's own first

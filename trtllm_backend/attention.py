@@ -71,7 +71,8 @@ class AttentionPlan:
         self._write: list[SlotPiece] | None = None
         # Decode group: one new token per sequence, keys padded to the longest context and masked.
         dec = [s for s in seqs if s.q_len == 1]
-        self.decode_rows = torch.tensor([s.start for s in dec], dtype=torch.long)
+        self._decode_starts = [s.start for s in dec]
+        self._decode_rows: torch.Tensor | None = None
         self.decode_len = max((s.ctx_len for s in dec), default=0)
         self.decode_gather: list[SlotPiece] = []
         self.decode_mask: torch.Tensor | None = None
@@ -105,6 +106,14 @@ class AttentionPlan:
                 q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len)
                 mask = torch.arange(s.ctx_len)[None, :] <= q_pos[:, None]
                 self.prefills.append((s, gather, mask))
+
+    @property
+    def decode_rows(self) -> torch.Tensor:
+        """Rows of the decode sequences in the flattened batch (built on first use: the fused decode step
+        never asks)."""
+        if self._decode_rows is None:
+            self._decode_rows = torch.tensor(self._decode_starts, dtype=torch.long)
+        return self._decode_rows
 
     @property
     def write(self) -> list[SlotPiece]:

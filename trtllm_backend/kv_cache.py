@@ -106,6 +106,9 @@ class KVPool:
 
     def locate_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slot ids -> (index into `segments`, slot within that segment), same shape."""
+        if len(self.segments) == 1:  # the common case: fewer torch calls (each one misses after a forward)
+            base = self.segments[0].base * self.block_size
+            return torch.zeros_like(slots), (slots - base if base else slots)
         starts = torch.tensor([s.base * self.block_size for s in self.segments], dtype=torch.long)
         which = torch.bucketize(slots, starts[1:], right=True)
         return which, slots - starts[which]
