@@ -107,6 +107,18 @@ def test_slots_map_to_segments():
     assert kv is p.segments[1].kv and rows is None and local.tolist() == [0, 2]
 
 
+def test_slot_lookup_follows_segments_added_and_released():
+    p = pool(blocks=2, bs=4)  # slots 0..7
+    p.add_segment(3)  # slots 8..19
+    assert p.locate_slots(torch.tensor([9]))[0].tolist() == [1]
+    p.add_segment(1)  # slots 20..23
+    which, local = p.locate_slots(torch.tensor([21, 9, 0]))
+    assert which.tolist() == [2, 1, 0] and local.tolist() == [1, 1, 0]
+    p.release_segment(p.segments[1])  # slots 8..19 gone; 20..23 now the second segment
+    which, local = p.locate_slots(torch.tensor([21, 7]))
+    assert which.tolist() == [1, 0] and local.tolist() == [1, 7]
+
+
 def test_slots_map_to_the_only_segment_wherever_it_starts():
     p = pool(blocks=2, bs=4)  # slots 0..7
     which, local = p.locate_slots(torch.tensor([[1, 7], [0, 5]]))

@@ -46,6 +46,7 @@ class KVPool:
         self.segments: list[KVSegment] = []
         self._next_base = 0
         self._num_blocks = 0  # sum over segments, kept by add_segment / release_segment (read every iteration)
+        self._starts: tuple[torch.Tensor, torch.Tensor] | None = None  # locate_slots' tensors; reset with the segments
 
     # ---- sizing -------------------------------------------------------------------------------------
     @property
@@ -70,6 +71,7 @@ class KVPool:
         self._next_base += num_blocks
         self.segments.append(seg)
         self._num_blocks += num_blocks
+        self._starts = None
         return seg
 
     def release_segment(self, seg: KVSegment) -> None:
@@ -77,6 +79,7 @@ class KVPool:
             raise RuntimeError(f"segment at block {seg.base} still holds {seg.num_blocks - len(seg.free)} live blocks")
         self.segments.remove(seg)
         self._num_blocks -= seg.num_blocks
+        self._starts = None
 
     def segment_of(self, block: int) -> KVSegment:
         for seg in self.segments:
@@ -109,8 +112,11 @@ class KVPool:
         if len(self.segments) == 1:  # the common case: fewer torch calls (each one misses after a forward)
             base = self.segments[0].base * self.block_size
             return torch.zeros_like(slots), (slots - base if base else slots)
-        starts = torch.tensor([s.base * self.block_size for s in self.segments], dtype=torch.long)
-        which = torch.bucketize(slots, starts[1:], right=True)
+        if self._starts is None:  # segment start slots, and the bounds after the first, until segments change
+            starts = torch.tensor([s.base * self.block_size for s in self.segments], dtype=torch.long)
+            self._starts = (starts, starts[1:])
+        starts, bounds = self._starts
+        which = torch.bucketize(slots, bounds, right=True)
         return which, slots - starts[which]
 
     # ---- blocks -------------------------------------------------------------------------------------
