@@ -138,7 +138,7 @@ PARAMS: tuple[Param, ...] = (
           "Bound on resident weights + KV blocks; empty: full-precision model + base KV pool + one staging fragment.",
           at_least(1)),
     Param("check_invariants", "bool", "true", "engine.check_invariants",
-          "Check memory, KV-block and binding invariants every iteration (~0.2 ms); violations are counted and logged.",
+          "Check memory, KV-block and binding invariants every iteration (~0.1 ms: docs/fused-decode.md); violations are counted and logged.",
           None),
     *(Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check)
       for name, kind, doc, check in (
