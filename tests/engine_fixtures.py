@@ -105,3 +105,14 @@ def assert_same_up_to_near_tie(lone: list[int], lone_gaps: list[float], other: l
         if a != b:
             assert lone_gaps[i] < NEAR_TIE, f"diverged at token {i} where the top-2 gap was {lone_gaps[i]:.2e} (>= {NEAR_TIE})"
             return
+
+
+def random_layer_tensors(cfg, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A decoder layer's full-precision tensors for `cfg` (HF names, unfused), random from `g`."""
+    hid, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {"self_attn.q_proj": (cfg.num_heads * D, hid), "self_attn.k_proj": (cfg.num_kv_heads * D, hid),
+              "self_attn.v_proj": (cfg.num_kv_heads * D, hid), "self_attn.o_proj": (hid, cfg.num_heads * D),
+              "mlp.gate_proj": (inter, hid), "mlp.up_proj": (inter, hid), "mlp.down_proj": (hid, inter)}
+    t = {f"{k}.weight": torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
+    t.update({n: torch.rand(hid, generator=g) + 0.5 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")})
+    return t

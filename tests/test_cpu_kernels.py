@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_fixtures import random_layer_tensors
 from plugins import cpu_kernels, paged_attention, quant_matmul, skinny_gemm
 from trtllm_backend import attention
 from trtllm_backend.kv_cache import KVPool
@@ -347,12 +348,8 @@ def test_layer_gives_the_same_output_through_the_fused_and_the_torch_decode_path
 
     lens = [4, 13, 22]
     g = torch.Generator().manual_seed(11)
-    hid, inter, D = CFG.hidden_size, CFG.intermediate_size, CFG.head_dim
-    shapes = {"self_attn.q_proj": (CFG.num_heads * D, hid), "self_attn.k_proj": (CFG.num_kv_heads * D, hid),
-              "self_attn.v_proj": (CFG.num_kv_heads * D, hid), "self_attn.o_proj": (hid, CFG.num_heads * D),
-              "mlp.gate_proj": (inter, hid), "mlp.up_proj": (inter, hid), "mlp.down_proj": (hid, inter)}
-    t = {f"{k}.weight": torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
-    t.update({n: torch.rand(hid, generator=g) + 0.5 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")})
+    hid = CFG.hidden_size
+    t = random_layer_tensors(CFG, g)
     slot = LayerSlot(1, CFG, dense_layer(t, torch.float32))
     h = torch.randn(len(lens), hid, generator=g)
     _, cos, sin = _fused_inputs(lens)

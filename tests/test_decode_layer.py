@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_fixtures import random_layer_tensors
 from test_cpu_kernels import CFG, _decode_plan, _fused_inputs, _pool_with_sequences, needs_kernels, ns
 
 from plugins import decode_layer as fused
@@ -16,13 +17,7 @@ G = 16  # INT4 group size that divides the test config's 48 and 64 inputs
 
 def _tensors(seed: int = 11) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    hid, inter, D = CFG.hidden_size, CFG.intermediate_size, CFG.head_dim
-    shapes = {"self_attn.q_proj": (CFG.num_heads * D, hid), "self_attn.k_proj": (CFG.num_kv_heads * D, hid),
-              "self_attn.v_proj": (CFG.num_kv_heads * D, hid), "self_attn.o_proj": (hid, CFG.num_heads * D),
-              "mlp.gate_proj": (inter, hid), "mlp.up_proj": (inter, hid), "mlp.down_proj": (hid, inter)}
-    t = {f"{k}.weight": torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
-    t.update({n: torch.rand(hid, generator=g) + 0.5 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")})
-    return t
+    return random_layer_tensors(CFG, g)
 
 
 def _layer(kind: str) -> LayerWeights:

@@ -84,14 +84,20 @@ def storage_check(args, t0: float) -> int:
         ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
         out[name] = perplexity(model, ids, [])
         print(f"[quality] full precision, weights stored in {name}: perplexity {out[name]:.4f}", flush=True)
-    out["held_out"]["tokens"] = int(ids[:, 1:].numel())
     out["float16_vs_float32_pct"] = 100 * (out["float16"] / out["float32"] - 1)
+    path = _write_check(args, out, ids, t0, "storage.json")
+    print(f"[quality] fp16 storage moves perplexity by {out['float16_vs_float32_pct']:+.4f}%; wrote {path}")
+    return 0
+
+
+def _write_check(args, out: dict, ids, t0: float, name: str) -> Path:
+    """A check's result with its held-out token count and wall time, as `name` in --out."""
+    out["held_out"]["tokens"] = int(ids[:, 1:].numel())
     out["seconds"] = round(time.monotonic() - t0, 1)
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "storage.json").write_text(json.dumps(out, indent=1))
-    print(f"[quality] fp16 storage moves perplexity by {out['float16_vs_float32_pct']:+.4f}%; wrote {dest}/storage.json")
-    return 0
+    (dest / name).write_text(json.dumps(out, indent=1))
+    return dest / name
 
 
 def head_check(args, t0: float) -> int:
@@ -120,12 +126,8 @@ def head_check(args, t0: float) -> int:
                   f"{row['int8']:.4f} ({row['int8_vs_full_pct']:+.3f}%)", flush=True)
         head = out.setdefault("lm_head", {k: model.manifest.data["lm_head"].get(k) for k in ("swap_rank", "rank_profile")})
         head.setdefault("bytes", {"int8": model.head_int8.nbytes})["full_" + name] = model.head_full.nbytes
-    out["held_out"]["tokens"] = int(ids[:, 1:].numel())
-    out["seconds"] = round(time.monotonic() - t0, 1)
-    dest = Path(args.out)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "lm_head.json").write_text(json.dumps(out, indent=1))
-    print(f"[quality] {out['seconds']} s; wrote {dest}/lm_head.json")
+    path = _write_check(args, out, ids, t0, "lm_head.json")
+    print(f"[quality] {out['seconds']} s; wrote {path}")
     return 0
 
 

@@ -21,6 +21,11 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+// int8 (the INT8 LM head table, int8_linear.cpp) widens to fp32 exactly; its row scale is applied after the sum.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
 
 // One MT x NT tile of y over the whole K. Each output sums its products 8 lanes at a time in increasing k,
 // then adds the lanes: the same order for every MT, so a row's result does not depend on the batch.

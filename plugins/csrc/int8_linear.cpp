@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_tile.h"
+
 namespace {
 
 constexpr int64_t kBlock = 8;    // weight rows read together (8 accumulators at batch 1: the FMA latency hidden)
@@ -29,51 +31,14 @@ constexpr int64_t kBlock = 8;    // weight rows read together (8 accumulators at
 // 3x faster with the table in L2): the hardware prefetcher kept too few lines in flight.
 constexpr int64_t kPrefetchBlocks = 4;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline float load1(const int8_t* p) { return static_cast<float>(*p); }
-
-// MT rows of x [., K] against NT weight rows (stride ldw) with their scales: y[m * ldy + n]. `ahead` (or null):
-// NT rows read later, prefetched a line per row.
+// One MT x NT tile through the shared fp32 tile (cpu_tile.h: the summation order that keeps a row's result
+// independent of its batch), then each output times its weight row's scale.
 template <int MT, int NT, typename W>
 inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, const float* scale, float* y, int64_t ldy,
                  const W* ahead = nullptr) {
-  constexpr int64_t kLine = 64 / sizeof(W);
-  __m256 acc[MT][NT];
-#pragma GCC unroll 8
+  morphserve_cpu::tile<MT, NT>(x, K, w, ldw, y, ldy, K, ahead);
   for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 8
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    if (ahead != nullptr && k % kLine == 0) {
-#pragma GCC unroll 8
-      for (int n = 0; n < NT; ++n) _mm_prefetch(reinterpret_cast<const char*>(ahead + n * ldw + k), _MM_HINT_T0);
-    }
-    __m256 xv[MT];
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-#pragma GCC unroll 8
-    for (int n = 0; n < NT; ++n) {
-      const __m256 wv = load8(w + n * ldw + k);
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) acc[m][n] = _mm256_fmadd_ps(xv[m], wv, acc[m][n]);
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) {
-      float s = hsum(acc[m][n]);
-      for (int64_t kk = k; kk < K; ++kk) s = std::fma(x[m * K + kk], load1(w + n * ldw + kk), s);
-      y[m * ldy + n] = s * scale[n];
-    }
+    for (int n = 0; n < NT; ++n) y[m * ldy + n] *= scale[n];
 }
 
 // All M rows of x against nt (<= kBlock) weight rows; `ahead`: a full block to prefetch, or null.
