@@ -62,8 +62,9 @@ def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype | None = Non
     act = dtype or engine.config.torch_dtype
     ops = [op for s in engine.model.slots for op in (s.weights.qkv, s.weights.o, s.weights.gate_up, s.weights.down)]
     head = engine.model.lm_head
-    head_call = head if not isinstance(head, torch.Tensor) else (lambda x: skinny_gemm.linear(x, head))
-    head_in = head.shape[1] if isinstance(head, torch.Tensor) else _in_features(head)
+    # A tensor at full precision; a table with .linear (the INT8 head unit) when morphed.
+    head_call = head.linear if not isinstance(head, torch.Tensor) else (lambda x: skinny_gemm.linear(x, head))
+    head_in = head.shape[1]
     if linear is None and dtype is None:
         calls = [(op, _in_features(op)) for op in ops] + [(head_call, head_in)]
     else:

@@ -252,7 +252,8 @@ def render(result: dict) -> str:
     lines += ["", "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
               "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
               f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (W4A16, fp32 "
-              "activations) with the full-precision embedding and LM head.", ""]
+              "activations) and, where the fragment set has the unit (the default set does since the INT8 head), the "
+              "tied embedding / LM head in INT8 (static int4 takes every unit).", ""]
     return "\n".join(lines)
 
 
