@@ -247,6 +247,6 @@ $RCOMPOSE down --timeout 30 >/dev/null 2>&1; RUP=0
 SERVED=$(grep -o 'served per replica: \[[0-9, ]*\]' "$WORK/burst.log" | grep -o '\[.*\]' | tr -d ' ')
 
 TOTAL=$(( $(date +%s) - T0 ))
-summary="image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S restart_after_stub_kill_s=$RESTART_S lb_build_s=$LB_BUILD_S replicas_up_s=$RUP_S burst_served=$SERVED total_s=$TOTAL"
+summary="command='bash docker/test_compose.sh' commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) load_1m_end=$(cut -d' ' -f1 /proc/loadavg) image=$IMAGE size=$SIZE build_s=$BUILD_S up_to_ready_s=$UP_S restart_after_stub_kill_s=$RESTART_S lb_build_s=$LB_BUILD_S replicas_up_s=$RUP_S burst_served=$SERVED total_s=$TOTAL"
 echo "$summary" >"$RESULTS/last_run.txt"
 log "PASS: $summary"

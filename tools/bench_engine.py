@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from engines.build_fragments import default_fragment_dir
 from plugins import cpu_kernels, skinny_gemm
 from plugins import decode_layer as fused_decode
+from tools.replay.provenance import code_version, now_utc
 from trtllm_backend.config import EngineConfig
 from trtllm_backend.engine import LLMEngine
 from trtllm_backend.sampling import SamplingParams
@@ -224,6 +225,9 @@ def main(argv=None) -> int:
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
+    # What a committed result must say: the command, the code and the machine's load when it ran.
+    run = {"command": "python -m tools.bench_engine " + " ".join(sys.argv[1:] if argv is None else argv),
+           **code_version(), "run_utc": now_utc(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
     results = []
     for policy in args.policy:
         results.append(bench_policy(args, policy))
@@ -243,7 +247,7 @@ def main(argv=None) -> int:
     rows["peak_rss_bytes"] = peak_rss()
     print(f"[bench] peak RSS {rows['peak_rss_bytes'] / 2**20:.0f} MiB")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({**run, **rows}, indent=1))
     return 0
 
 
