@@ -18,6 +18,7 @@ turns them off (the torch reference path).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -56,8 +57,12 @@ def build(verbose: bool = False) -> Path:
     from torch.utils import cpp_extension
 
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    # NOTE: torch rebuilds only when a source file or a flag changed, not a header: the headers' hash goes in
+    # as a define, so editing one rebuilds too.
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
     cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], build_directory=str(BUILD_DIR),
-                       is_python_module=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                       is_python_module=False,
+                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DMORPHSERVE_HEADERS={headers}"],
                        extra_ldflags=["-fopenmp"], verbose=verbose)
     return library_path()
 

@@ -14,6 +14,8 @@ for o_proj and down_proj it stays here and costs one elementwise multiply of the
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -22,6 +24,10 @@ from . import cpu_kernels, skinny_gemm
 # NOTE: must divide every input dim (SmolLM2's 576 rules out 128). 32 over 64: held-out perplexity with all 30
 # layers INT4 (AWQ) 32.0 vs 34.1 (full 30.2) for 11% more INT4 bytes; the kernels run at the same speed.
 GROUP_SIZE = 32
+
+# Activations the C++ INT4 decode kernel multiplies the nibbles with (csrc/int4_tile.h): int8 (each row
+# quantized per 32 inputs, integer dot products, ~2x the fp32 path's speed) or float32 (exact products).
+INT4_ACTIVATIONS = {"int8": 8, "float32": 32}
 
 _LAYER_LINEARS = ("qkv", "o", "gate_up", "down")
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -92,14 +98,41 @@ def _bf16_call(fn, x: Tensor, out_features: int) -> Tensor:
     return y.to(torch.float32).reshape(*lead, out_features)
 
 
+def set_int4_activations(name: str) -> str:
+    """Process-wide: the activations of the C++ INT4 decode path (INT4_ACTIVATIONS); returns the previous
+    setting. Prefill chunks (dequantize + MKL) and the kernel-less paths are unaffected. No-op without kernels."""
+    if name not in INT4_ACTIVATIONS:
+        raise ValueError(f"int4_activations must be one of {sorted(INT4_ACTIVATIONS)}, got {name!r}")
+    ops = cpu_kernels.ops()
+    if ops is None:
+        return name
+    previous = ops.int4_activation_bits(INT4_ACTIVATIONS[name])
+    return next(k for k, v in INT4_ACTIVATIONS.items() if v == previous)
+
+
+_decode_kernel_everywhere = False
+
+
+@contextmanager
+def decode_kernel_everywhere():
+    """Within: INT4 linears run every input through the decode kernel in chunks of its row limit, never the
+    prefill path, so an offline perplexity measures the numerics decode tokens get (tools/eval_quality)."""
+    global _decode_kernel_everywhere
+    previous, _decode_kernel_everywhere = _decode_kernel_everywhere, True
+    try:
+        yield
+    finally:
+        _decode_kernel_everywhere = previous
+
+
 class Int4Linear:
     """INT4 weight-only linear: y = x @ W^T, fp32 in and out.
 
     Kernels, by platform:
     - CPU with the project's C++ kernels (plugins/cpu_kernels.py): `morphserve::int4_linear` on the nibbles
-      re-laid at load by `int4_pack` (blocks of 8 rows, one per AVX2 lane; the same bytes), fp32 activations;
-      decode reads 4.5 bits per weight, prefill dequantizes and runs MKL (about fp32's speed, where torch's
-      int4 kernel is 2.4x slower at 512 rows).
+      re-laid at load by `int4_pack` (blocks of 8 rows, one per AVX2 lane; the same bytes); decode reads 4.5
+      bits per weight with int8 or fp32 activations (set_int4_activations), prefill dequantizes and runs MKL
+      in fp32 (about fp32's speed, where torch's int4 kernel is 2.4x slower at 512 rows).
     - CPU without them: torch's `_weight_int4pack_mm_for_cpu`, bf16 activations.
     - CUDA: torch's tinygemm `_weight_int4pack_mm` (untested here).
     NOTE: it keeps one resident form of the weight (a platform packing of the nibbles), never two; files are
@@ -151,13 +184,20 @@ class Int4Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self._cpp is not None:  # the kernel applies the pre-scale itself (one dispatch less)
             lead = x.shape[:-1]
-            y = self._cpp.int4_linear(x.reshape(-1, self.in_features).float(), self._packed, self._scales_zeros,
-                                      self._pre_scale, self.out_features, self.group_size, skinny_gemm.MAX_ROWS)
+            x2 = x.reshape(-1, self.in_features).float()
+            if _decode_kernel_everywhere and x2.shape[0] > skinny_gemm.MAX_ROWS:
+                y = torch.cat([self._int4_linear(part) for part in x2.split(skinny_gemm.MAX_ROWS)])
+            else:
+                y = self._int4_linear(x2)
             return y.reshape(*lead, self.out_features)
         if self._pre_scale is not None:
             x = x * self._pre_scale
         return _bf16_call(lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros),
                           x, self.out_features)
+
+    def _int4_linear(self, x: Tensor) -> Tensor:
+        return self._cpp.int4_linear(x, self._packed, self._scales_zeros, self._pre_scale, self.out_features,
+                                     self.group_size, skinny_gemm.MAX_ROWS)
 
     def fused_args(self) -> tuple[list[Tensor], list[int]] | None:
         """This linear's part of `plugins.decode_layer.decode_layers`' arguments (C++ packing only), else None."""

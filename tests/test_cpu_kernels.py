@@ -98,6 +98,36 @@ def _int4(n: int, k: int, seed: int = 0):
     return packed, affine, quant_matmul.dequantize_int4(t)
 
 
+@pytest.fixture
+def fp32_activations():
+    previous = quant_matmul.set_int4_activations("float32")
+    yield
+    quant_matmul.set_int4_activations(previous)
+
+
+@pytest.fixture(params=["float32", "int8"])
+def activations(request):
+    previous = quant_matmul.set_int4_activations(request.param)
+    yield request.param
+    quant_matmul.set_int4_activations(previous)
+
+
+def _int8_reference(x: torch.Tensor, n: int, k: int, seed: int) -> torch.Tensor:
+    """What the int8-activation kernel computes, in float64: x quantized per 32 inputs (absmax / 127, rounded
+    half to even in fp32) times the dequantized weight, y = xhat @ W^T."""
+    g = torch.Generator().manual_seed(seed)
+    t = quant_matmul.quantize_int4(torch.randn(n, k, generator=g) * 0.02)
+    q = quant_matmul.unpack_int4(t["qweight"]).double()  # [n, k], 0..15
+    sz = t["scales_zeros"].float().double()  # [k/32, n, 2]
+    xb = x.view(x.shape[0], k // 32, 32)
+    a = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(a > 0, torch.tensor(127.0) / a, torch.zeros_like(a))
+    xhat = (torch.round(xb * inv).double() * (a / 127.0).double()).view_as(x)
+    s, z = sz[..., 0].t(), sz[..., 1].t()  # [n, k/32]
+    dot = torch.einsum("mgk,ngk->mng", xhat.view(x.shape[0], k // 32, 32), q.view(n, k // 32, 32))
+    return (dot * s + (z - 8 * s) * xhat.view(x.shape[0], k // 32, 32).sum(-1)[:, None, :]).sum(-1).float()
+
+
 @needs_kernels
 @pytest.mark.parametrize("n", [100, 8, 1])
 def test_int4_dequantize_gives_the_reference_weights(n):
@@ -109,7 +139,7 @@ def test_int4_dequantize_gives_the_reference_weights(n):
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 3, 16, skinny_gemm.MAX_ROWS, skinny_gemm.MAX_ROWS + 1, 130])
 @pytest.mark.parametrize("n,k", [(960, 576), (7, 1536), (1, 32), (40, 64)])
-def test_int4_linear_matches_the_dequantized_matmul(m, n, k):
+def test_int4_linear_matches_the_dequantized_matmul(m, n, k, fp32_activations):
     q, a, ref = _int4(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     want = (x.double() @ ref.double().t()).float()
@@ -118,8 +148,60 @@ def test_int4_linear_matches_the_dequantized_matmul(m, n, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, skinny_gemm.MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 1536), (1, 32), (40, 64)])
+def test_int4_linear_with_int8_activations_matches_its_reference(m, n, k):
+    q, a, _ = _int4(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    x[0, :32] = 0.0  # a block of zeros: scale 0, no division by it
+    previous = quant_matmul.set_int4_activations("int8")
+    try:
+        got = ns.int4_linear(x, q, a, None, n, 32, skinny_gemm.MAX_ROWS)
+    finally:
+        quant_matmul.set_int4_activations(previous)
+    torch.testing.assert_close(got, _int8_reference(x, n, k, seed=m), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_int8_activations_cost_about_a_percent_and_spare_prefill():
+    q, a, ref = _int4(960, 576, seed=5)
+    x = torch.randn(skinny_gemm.MAX_ROWS + 1, 576, generator=torch.Generator().manual_seed(5))
+    want = (x.double() @ ref.double().t()).float()
+    previous = quant_matmul.set_int4_activations("int8")
+    try:
+        decode = ns.int4_linear(x[:8], q, a, None, 960, 32, skinny_gemm.MAX_ROWS)
+        prefill = ns.int4_linear(x, q, a, None, 960, 32, skinny_gemm.MAX_ROWS)
+    finally:
+        quant_matmul.set_int4_activations(previous)
+    err = ((decode - want[:8]).norm() / want[:8].norm()).item()
+    assert 1e-4 < err < 2e-2  # quantized, and only slightly (absmax int8 per 32 inputs)
+    torch.testing.assert_close(prefill, want, rtol=1e-5, atol=1e-5)  # prefill rows stay fp32
+
+
+@needs_kernels
+def test_int8_activations_fall_back_to_fp32_where_the_group_is_not_a_multiple_of_32():
+    t = quant_matmul.quantize_int4(torch.randn(16, 64, generator=torch.Generator().manual_seed(2)) * 0.02, 16)
+    q, a = ns.int4_pack(t["qweight"], t["scales_zeros"].transpose(0, 1).contiguous(), 16)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    got = {}
+    for name in ("int8", "float32"):
+        previous = quant_matmul.set_int4_activations(name)
+        got[name] = ns.int4_linear(x, q, a, None, 16, 16, skinny_gemm.MAX_ROWS)
+        quant_matmul.set_int4_activations(previous)
+    assert torch.equal(got["int8"], got["float32"])
+
+
+@needs_kernels
+def test_int4_activation_setting_rejects_other_widths():
+    with pytest.raises(ValueError, match="int4_activations must be one of"):
+        quant_matmul.set_int4_activations("int4")
+    with pytest.raises(RuntimeError, match=r"8 \(int8\) or 32 \(fp32\) expected, got 16"):
+        ns.int4_activation_bits(16)
+
+
+@needs_kernels
 @pytest.mark.parametrize("n", [50, 96])  # a tile of 32 rows and 3 tail blocks of 8; full tiles only
-def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit(n):
+def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit(n, activations):
     q, a, _ = _int4(n, 576)
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(3))
     batched = ns.int4_linear(x, q, a, None, n, 32, skinny_gemm.MAX_ROWS)  # the unpacked-buffer path
@@ -131,7 +213,7 @@ def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit(n):
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 5, skinny_gemm.MAX_ROWS + 1])
-def test_int4_linear_applies_the_pre_scale_as_a_multiply_before_it(m):
+def test_int4_linear_applies_the_pre_scale_as_a_multiply_before_it(m, activations):
     q, a, _ = _int4(40, 64)
     x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
     s = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
@@ -160,7 +242,7 @@ def test_int4_linear_rejects_bad_input():
 
 
 @needs_kernels
-def test_int4_operator_uses_the_kernel_and_agrees_with_torchs_bf16_kernel(monkeypatch):
+def test_int4_operator_uses_the_kernel_and_agrees_with_torchs_bf16_kernel(monkeypatch, activations):
     w = torch.randn(96, 576) * 0.02
     ours = quant_matmul.Int4Linear.from_float(w)
     assert ours._cpp is not None

@@ -159,10 +159,12 @@ def peak_rss() -> int:
 
 def bench_policy(args, policy: str) -> dict:
     """One engine with `policy`: prefill, then per batch the decode step, its matmuls alone and the floor."""
-    engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=policy, max_batch_size=max(args.batches),
-                                    weight_dtype=args.weight_dtype, num_threads=args.threads))
+    morph_policy, _, activations = policy.partition("@")  # e.g. int4@float32: the INT4 kernel's activations
+    engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=morph_policy, max_batch_size=max(args.batches),
+                                    weight_dtype=args.weight_dtype, num_threads=args.threads,
+                                    int4_activations=activations or "int8"))
     dtype = engine.config.torch_dtype
-    print(f"[bench] policy={policy} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
+    print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
           f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'} "
           f"fused decode layer={'yes' if cpu_kernels.ops() is not None and fused_decode.enabled() else 'no'}")
@@ -189,7 +191,7 @@ def bench_policy(args, policy: str) -> dict:
             per_op, fused = fused_ab(engine, b)
             rows["fused_ab"].append({"batch": b, "per_op_step_s": per_op, "fused_step_s": fused})
             print(f"[bench] {'':>40} {b:>5} {per_op * 1e3:10.2f} {fused * 1e3:9.2f} {per_op / fused:13.3f}")
-    if policy == "full":
+    if morph_policy == "full":
         f32, bf16 = matmuls_alone(engine, 1, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 1, torch.bfloat16, F.linear)
         f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 16, torch.bfloat16, F.linear)
         # NOTE: fp32 goes through the engine's kernel, bf16 through MKL (the kernel is fp32 only).
@@ -217,7 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--policy", nargs="+", default=["full"],
-                    help="morph policies measured in turn (full, int4, int4:N); ratios to the first are printed")
+                    help="morph policies measured in turn (full, int4, int4:N; a suffix @float32 or @int8 sets the INT4 "
+                         "kernel's activations, default int8); ratios to the first are printed")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     ap.add_argument("--fused-ab", action="store_true",
                     help="also time decode steps with the fused decode call off and on, alternating step by step")

@@ -2,6 +2,7 @@
 
     python -m tools.eval_quality [--fragment-dir DIR] [--corpus FILE] [--windows 8 --seq-len 256] [--out results/quality]
     python -m tools.eval_quality --lm-head --fragment-dir DIR   # the INT8 embedding / LM head's cost (lm_head.json)
+    python -m tools.eval_quality --int4-activations   # int8 vs fp32 activations in the INT4 decode kernel
 
 Held-out text: the last 10% of the corpus (calibration and profiling use the first 80%). Orders:
 front-to-back, back-to-front, random (seeded) and LIS (the profiled swap order in the manifest). Writes
@@ -131,6 +132,40 @@ def head_check(args, t0: float) -> int:
     return 0
 
 
+def activations_check(args, t0: float) -> int:
+    """The INT4 decode kernel's activations (plugins.quant_matmul.INT4_ACTIVATIONS): perplexity with every
+    token's INT4 linears run through the decode kernel (in chunks of its row limit, as decode steps would),
+    with float32 and with int8 activations, at several INT4 layer counts in the serving (LIS) order; and the
+    prefill path's (dequantize + MKL, fp32) for reference. Full-precision layers are unaffected."""
+    from plugins.quant_matmul import decode_kernel_everywhere, set_int4_activations
+
+    out: dict = {"command": "python -m tools.eval_quality --int4-activations", **code_version(),
+                 "load_avg_1m_start": round(os.getloadavg()[0], 2),
+                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
+                              "seq_len": args.seq_len}, "runs": []}
+    model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
+    ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    order, n = model.manifest.swap_order(), model.config.num_layers
+    previous = set_int4_activations("float32")
+    try:
+        for k in sorted({min(c, n) for c in (0, 8, 16, n)}):
+            row = {"int4_layers": k, "prefill_path": perplexity(model, ids, order[:k])}
+            for name in ("float32", "int8"):
+                set_int4_activations(name)
+                with decode_kernel_everywhere():
+                    row[f"decode_kernel_{name}"] = perplexity(model, ids, order[:k])
+            row["int8_vs_float32_pct"] = 100 * (row["decode_kernel_int8"] / row["decode_kernel_float32"] - 1)
+            out["runs"].append(row)
+            print(f"[quality] {k} INT4 layers: prefill path {row['prefill_path']:.4f}, decode kernel fp32 "
+                  f"{row['decode_kernel_float32']:.4f}, int8 {row['decode_kernel_int8']:.4f} "
+                  f"({row['int8_vs_float32_pct']:+.3f}%)", flush=True)
+    finally:
+        set_int4_activations(previous)
+    path = _write_check(args, out, ids, t0, "int4_activations.json")
+    print(f"[quality] {out['seconds']} s; wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.eval_quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,8 +179,12 @@ def main(argv=None) -> int:
                     help="only the full-precision perplexity with fp32- and fp16-stored weights (storage.json)")
     ap.add_argument("--lm-head", action="store_true",
                     help="only the INT8 embedding / LM head's cost: perplexity with it full vs INT8 (lm_head.json)")
+    ap.add_argument("--int4-activations", action="store_true",
+                    help="only the INT4 decode kernel's int8 vs fp32 activations (int4_activations.json)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
+    if args.int4_activations:
+        return activations_check(args, t0)
     if args.storage_check:
         return storage_check(args, t0)
     if args.lm_head:

@@ -29,6 +29,9 @@ class EngineConfig:
     # Storage of the full-precision weights (layers, embedding, LM head); auto: the dtype above. float16 with
     # float32 compute on the CPU halves the bytes a decode step reads (the C++ kernel widens them on load).
     weight_dtype: str = "auto"
+    # Activations of the C++ INT4 decode kernel (plugins/quant_matmul.INT4_ACTIVATIONS): int8 (per-32 absmax,
+    # ~2x faster) or float32. Process-wide: the last engine built in a process sets it.
+    int4_activations: str = "int8"
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
     memory_budget_bytes: int | None = None  # default: full-precision model + base KV pool + one staging fragment
     morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.weight_dtype not in ("auto", "float32", "float16"):
             raise ValueError(f"weight_dtype must be auto, float32 or float16, got {self.weight_dtype!r}")
+        if self.int4_activations not in ("int8", "float32"):
+            raise ValueError(f"int4_activations must be int8 or float32, got {self.int4_activations!r}")
         parse_forced(self.force_morph, "force_morph")  # a typo fails here, not at the iteration it names
         w, c = self.weight_torch_dtype, self.torch_dtype
         if w != c and not (w == torch.float16 and c == torch.float32):

@@ -15,6 +15,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from plugins.quant_matmul import set_int4_activations
+
 from .attention import AttentionPlan, SeqSlice
 from .config import EngineConfig
 from .controller import Signals, parse_policy
@@ -42,6 +44,7 @@ class LLMEngine:
         self.config = config
         pin_mmap_threshold()
         torch.set_num_threads(config.threads())
+        set_int4_activations(config.int4_activations)
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -41,7 +41,8 @@ constexpr const char* kOp = "decode_layers";
 // An INT4 linear's prepared input (int4::prepare_input): one set serves every linear in turn, as each is
 // prepared in the phase just before its own.
 struct Prep {
-  std::vector<float> scaled, xsum, xs;
+  std::vector<float> scaled, xsum, xs, xd;
+  std::vector<int8_t> xq;
 };
 
 // One of a layer's linears: dense (fp32 or fp16-stored weight [N, K]) or INT4 (int4_pack's blocks).
@@ -58,14 +59,18 @@ struct Linear {
   // works row by row anyway).
   void prepare_row(const float* x, int64_t r, Prep& s) const {
     if (kind != kInt4) return;
+    const bool q8 = int4::int8_activations(K, p.G);
     int4::prepare_input(x + r * K, 1, K, p.G, pre_scale, s.scaled.data() + r * K, s.xsum.data() + r * p.groups,
-                        s.xs.data() + r * K);
+                        s.xs.data() + r * K, q8 ? s.xq.data() + r * K : nullptr, s.xd.data() + r * (K / int4::kQBlock));
   }
 
   // Output units [u0, u1) of y [M, N] = x [M, K] @ W^T (x already prepared for INT4).
   void run(const float* x, int64_t M, float* y, int64_t u0, int64_t u1, const Prep& s) const {
     thread_local std::vector<float> buf;
-    if (kind == kInt4) int4::run_tiles(p, u0, u1, s.xs.data(), M, s.xsum.data(), y, N, buf);
+    if (kind == kInt4) {
+      const bool q8 = int4::int8_activations(K, p.G);
+      int4::run_tiles(p, u0, u1, {s.xs.data(), s.xsum.data(), q8 ? s.xq.data() : nullptr, s.xd.data()}, M, y, N, buf);
+    }
     else if (wh != nullptr) morphserve_cpu::dense_blocks(x, M, wh, K, y, N, u0, u1, buf);
     else morphserve_cpu::dense_blocks(x, M, wf, K, y, N, u0, u1, buf);
   }
@@ -175,6 +180,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
   prep.scaled.resize(B * max_k);
   prep.xsum.resize(B * max_groups);
   prep.xs.resize(B * max_k);
+  prep.xq.resize(B * max_k);
+  prep.xd.resize(B * max_k / int4::kQBlock + 1);
   // Intermediates, one arena reused by every layer: normed x, q|k|v, roped q, attention, o, h + o, its norm,
   // gate|up, SwiGLU, down, and two residual streams the layers pass along in turn.
   const int64_t qkv_n = (H + 2 * KVH) * D;

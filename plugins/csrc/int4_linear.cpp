@@ -137,20 +137,34 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& packed, const 
   const at::Tensor x = input.contiguous();
   at::Tensor y = at::empty({M, N}, at::kFloat);
   if (M == 0 || N == 0) return y;
-  std::vector<float> xw(scaled ? M * K : 0), xsum(M * p.groups), xs(M * K);
+  const bool q8 = int8_activations(K, G);
+  std::vector<float> xw(scaled ? M * K : 0), xsum(M * p.groups), xs(q8 ? 0 : M * K), xd(q8 ? M * K / kQBlock : 0);
+  std::vector<int8_t> xq(q8 ? M * K : 0);
   prepare_input(x.data_ptr<float>(), M, K, G, scaled ? pre_scale->data_ptr<float>() : nullptr, xw.data(), xsum.data(),
-                xs.data());
+                xs.data(), q8 ? xq.data() : nullptr, xd.data());
+  const Prepared in{xs.data(), xsum.data(), q8 ? xq.data() : nullptr, xd.data()};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, num_tiles(p), 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> buf;
-    run_tiles(p, t0, t1, xs.data(), M, xsum.data(), yp, N, buf);
+    run_tiles(p, t0, t1, in, M, yp, N, buf);
   });
   return y;
+}
+
+// Sets the skinny path's activations (8 or 32 bits, see int4_tile.h) when `bits` > 0; returns the setting in
+// force before the call.
+int64_t int4_activation_bits(int64_t bits) {
+  TORCH_CHECK(bits == 0 || bits == 8 || bits == 32, "int4_activation_bits: 8 (int8) or 32 (fp32) expected, got ", bits,
+              " (0 reads the setting)");
+  const int previous = activation_bits.load();
+  if (bits > 0) activation_bits.store(static_cast<int>(bits));
+  return previous;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
+  m.def("int4_activation_bits(int bits) -> int", int4_activation_bits);  // no tensors: a catch-all kernel
   m.def("int4_pack(Tensor qweight, Tensor scales_zeros, int group_size) -> (Tensor, Tensor)");
   m.def("int4_linear(Tensor input, Tensor packed, Tensor affine, Tensor? pre_scale, int out_features, int group_size, int max_skinny_rows) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor affine, int out_features, int group_size) -> Tensor");

@@ -5,6 +5,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -19,6 +21,17 @@ constexpr int64_t kTileBlocks = 4;  // row blocks per tile: independent accumula
 constexpr int64_t kRegRows = 2;     // rows of x up to which the nibbles are unpacked in registers
 constexpr int64_t kBufRows = 3;     // rows of x per pass over the unpacked buffer (12 accumulators + 4 of 16 registers; 3 beat 2 by 1.1-1.3x)
 constexpr int64_t kMaxRows = 64;    // skinny limit accepted (the per-tile accumulators live on the stack)
+constexpr int64_t kQBlock = 32;     // INT8 activations: inputs per activation scale (llama.cpp's Q8_0 block)
+constexpr int64_t kQRows = 4;       // INT8 activations: rows of x per pass over a group's nibbles
+
+// Activations the skinny path multiplies the nibbles with: 32 (fp32, W4A16-like, exact products) or 8 (each
+// row quantized to int8 per 32 inputs, absmax scale; integer dot products, 4 instructions per 64 weights and
+// row against 26). Process-wide, set by `int4_activation_bits`; prefill (dequantize + MKL) is fp32 either way.
+inline std::atomic<int> activation_bits{8};
+
+inline bool int8_activations(int64_t K, int64_t G) {
+  return activation_bits.load(std::memory_order_relaxed) == 8 && G % kQBlock == 0 && K % kQBlock == 0;
+}
 
 // The packed weight: tiles of kTileBlocks blocks (the last may have fewer), stored one after the other; in a
 // tile, chunk c (inputs 8c..8c+7) of its blocks side by side, so a tile is one contiguous stream of memory and
@@ -35,6 +48,15 @@ struct Packed {
     return q + t * kTileBlocks * (K / 8) * kLanes + (c * nb + b % kTileBlocks) * kLanes;
   }
   const uint16_t* block_affine(int64_t b, int64_t g) const { return affine + (b * groups + g) * 2 * kLanes; }
+};
+
+// An input prepared for the tiles (prepare_input): per group sum(x_g), and either x pre-scaled for
+// nibble_in_place (fp32 activations; xq null) or x quantized to int8 with one scale per kQBlock inputs.
+struct Prepared {
+  const float* xs;
+  const float* xsum;
+  const int8_t* xq;
+  const float* xd;
 };
 
 inline __m256 bf16x8(const uint16_t* p) {
@@ -146,15 +168,68 @@ inline void group_buf(const Packed& p, int64_t b0, int64_t g, const float* buf, 
   finish_group<MT, NB>(p, b0, g, xsum, p.groups, part, tot, ldt);
 }
 
+// MT rows of int8 x against NB blocks, group g: per 32 inputs, 16-bit sums of q * xq (unsigned nibble x signed
+// byte, vpmaddubsw; 16 products of at most 15 * 127 fit in int16), widened and scaled by the block's d, then
+// the group's affine as finish_group. Integer sums are exact, so a row's result does not depend on MT.
+// xq holds each 8 inputs as [x0 x2 x4 x6 x1 x3 x5 x7] (quantize_row): the bytes the low and high nibbles of a
+// row's word meet.
+template <int MT, int NB>
+inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, const float* xd, int64_t K,
+                     const float* xsum, float* tot, int64_t ldt) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t qblocks = K / kQBlock;
+  __m256 part[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b) part[m][b] = _mm256_setzero_ps();
+  for (int64_t k0 = g * p.G; k0 < (g + 1) * p.G; k0 += kQBlock) {
+    __m256i acc[MT][NB];
+    for (int m = 0; m < MT; ++m)
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k0 + kQBlock; k += 8) {
+      __m256i xe[MT], xo[MT];
+      for (int m = 0; m < MT; ++m) {
+        int32_t e, o;
+        std::memcpy(&e, xq + m * K + k, 4);
+        std::memcpy(&o, xq + m * K + k + 4, 4);
+        xe[m] = _mm256_set1_epi32(e);
+        xo[m] = _mm256_set1_epi32(o);
+      }
+      for (int b = 0; b < NB; ++b) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.word(b0 + b, k / 8)));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MT; ++m)
+          acc[m][b] = _mm256_add_epi16(acc[m][b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe[m]),
+                                                                   _mm256_maddubs_epi16(hi, xo[m])));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 d = _mm256_set1_ps(xd[m * qblocks + k0 / kQBlock]);
+      for (int b = 0; b < NB; ++b)
+        part[m][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][b], ones)), d, part[m][b]);
+    }
+  }
+  finish_group<MT, NB>(p, b0, g, xsum, p.groups, part, tot, ldt);
+}
+
 // All M rows of x against the NB blocks starting at b0; y columns n0 = b0 * 8 .. (the valid ones of N).
 template <int NB>
-inline void tile(const Packed& p, int64_t b0, const float* x, int64_t M, const float* xsum, float* y, int64_t N,
-          std::vector<float>& buf) {
+inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, float* y, int64_t N,
+                 std::vector<float>& buf) {
   constexpr int64_t ldt = NB * kLanes;
   alignas(32) float tot[kMaxRows * ldt];
   std::memset(tot, 0, sizeof(float) * M * ldt);
-  const int64_t K = p.K;
+  const int64_t K = p.K, qblocks = K / kQBlock;
+  const float* x = in.xs;
+  const float* xsum = in.xsum;
   for (int64_t g = 0; g < p.groups; ++g) {
+    if (in.xq != nullptr) {
+      int64_t m = 0;
+      for (; m + kQRows <= M; m += kQRows)
+        group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+      for (; m < M; ++m)
+        group_q8<1, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+      continue;
+    }
     if (M <= kRegRows) {
       if (M == 2) group_regs<2, NB>(p, b0, g, x, K, xsum, tot, ldt);
       else group_regs<1, NB>(p, b0, g, x, K, xsum, tot, ldt);
@@ -171,12 +246,32 @@ inline void tile(const Packed& p, int64_t b0, const float* x, int64_t M, const f
   for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, tot + m * ldt, sizeof(float) * nt);
 }
 
+// Row x [K] as int8 with one scale per kQBlock inputs (absmax / 127, rounded to nearest even), each 8 inputs
+// stored [x0 x2 x4 x6 x1 x3 x5 x7] for group_q8.
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d) {
+  for (int64_t k0 = 0; k0 < K; k0 += kQBlock) {
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t k = k0; k < k0 + kQBlock; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    d[k0 / kQBlock] = a / 127.f;
+    const float inv = a > 0.f ? 127.f / a : 0.f;
+    for (int64_t k = k0; k < k0 + kQBlock; k += 8)
+      for (int j = 0; j < 8; ++j)
+        q[k + (j % 2) * 4 + j / 2] = static_cast<int8_t>(std::nearbyint(x[k + j] * inv));
+  }
+}
+
 // An input ready for the tiles, row by row: x * pre_scale (when given; the same fp32 products torch's multiply
-// gives), per group sum(x_g) (the zero-point term; 8 lanes then their sum, a fixed order per row), and x
-// pre-scaled for nibble_in_place. K and G are multiples of 8 (check_packed). `scaled` [M * K] scratch is used
-// only with a pre_scale; `xsum` [M * groups], `xs` [M * K].
+// gives), per group sum(x_g) (the zero-point term; 8 lanes then their sum, a fixed order per row; with int8
+// activations the sum of the quantized x, block by block), and x either
+// pre-scaled for nibble_in_place (`xq` null) or quantized (quantize_row). K and G are multiples of 8
+// (check_packed). `scaled` [M * K] scratch is used only with a pre_scale; `xsum` [M * groups], `xs` [M * K]
+// (fp32 activations), `xq` [M * K] and `xd` [M * K / kQBlock] (int8).
 inline void prepare_input(const float* x, int64_t M, int64_t K, int64_t G, const float* pre_scale, float* scaled,
-                          float* xsum, float* xs) {
+                          float* xsum, float* xs, int8_t* xq = nullptr, float* xd = nullptr) {
   const __m256 pow16 = _mm256_setr_ps(1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
                                       1.f / 16777216, 1.f);  // x[k] * 16^-(k % 8) for k % 8 < 7: the partner of nibble_in_place
   const int64_t groups = K / G;
@@ -192,6 +287,23 @@ inline void prepare_input(const float* x, int64_t M, int64_t K, int64_t G, const
       __m256 acc = _mm256_loadu_ps(xr + g * G);
       for (int64_t k = g * G + 8; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xr + k));
       xsum[m * groups + g] = hsum(acc);
+    }
+    if (xq != nullptr) {
+      // The zero-point term takes the quantized x too (as llama.cpp's Q8_1 block sum does): then the row
+      // multiplies the weight w = q s + (z - 8 s) by one x, and its rounding error meets w, not the larger q s.
+      int8_t* qr = xq + m * K;
+      float* dr = xd + m * (K / kQBlock);
+      quantize_row(xr, K, qr, dr);
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += kQBlock) {
+          int32_t isum = 0;
+          for (int64_t k = k0; k < k0 + kQBlock; ++k) isum += qr[k];
+          sum += dr[k0 / kQBlock] * static_cast<float>(isum);
+        }
+        xsum[m * groups + g] = sum;
+      }
+      continue;
     }
     for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xs + m * K + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), pow16));
   }
@@ -215,15 +327,15 @@ inline Packed check_packed(const at::Tensor& packed, const at::Tensor& affine, i
 inline int64_t num_tiles(const Packed& p) { return (p.blocks + kTileBlocks - 1) / kTileBlocks; }
 
 // Tiles [t0, t1) of y [M, N] from a prepared input; `buf`: this thread's unpack buffer (grown here when needed).
-inline void run_tiles(const Packed& p, int64_t t0, int64_t t1, const float* xs, int64_t M, const float* xsum,
-                      float* y, int64_t N, std::vector<float>& buf) {
-  if (M > kRegRows && static_cast<int64_t>(buf.size()) < kTileBlocks * p.G * kLanes) buf.resize(kTileBlocks * p.G * kLanes);
+inline void run_tiles(const Packed& p, int64_t t0, int64_t t1, const Prepared& in, int64_t M, float* y, int64_t N,
+                      std::vector<float>& buf) {
+  if (in.xq == nullptr && M > kRegRows && static_cast<int64_t>(buf.size()) < kTileBlocks * p.G * kLanes) buf.resize(kTileBlocks * p.G * kLanes);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t b0 = t * kTileBlocks, nb = std::min(kTileBlocks, p.blocks - b0);
     if (nb == kTileBlocks) {
-      tile<kTileBlocks>(p, b0, xs, M, xsum, y, N, buf);
+      tile<kTileBlocks>(p, b0, in, M, y, N, buf);
     } else {
-      for (int64_t b = b0; b < b0 + nb; ++b) tile<1>(p, b, xs, M, xsum, y, N, buf);
+      for (int64_t b = b0; b < b0 + nb; ++b) tile<1>(p, b, in, M, y, N, buf);
     }
   }
 }
