@@ -1,8 +1,8 @@
 # Every target does any missing set-up first (tools/setup.sh is idempotent).
 SHELL := /bin/bash
-# OpenMP waiting for every engine process (trtllm_backend/openmp_env.py says why).
-export OMP_WAIT_POLICY := PASSIVE
-export GOMP_SPINCOUNT := 20000
+# OpenMP waiting for every engine process (trtllm_backend/openmp_env.py says why); the environment's own values win.
+export OMP_WAIT_POLICY ?= ACTIVE
+export GOMP_SPINCOUNT ?= 200000
 PY := .venv/bin/python
 
 .PHONY: setup serve generate test bench bench-peers docker-test quality profile replay replay-quick

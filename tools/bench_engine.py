@@ -1,6 +1,6 @@
 """Engine benchmark: prefill and decode throughput, the engine's overhead over its matmuls, memory, swaps.
 
-    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python -m tools.bench_engine [--fragment-dir DIR] [--batches 1 8 16 32] \
+    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.bench_engine [--fragment-dir DIR] [--batches 1 8 16 32] \
         [--weight-dtype float16] [--policy full int4] [--threads N] [--json FILE]
 
 Prints one table per policy. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per

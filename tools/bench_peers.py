@@ -1,6 +1,6 @@
 """This server beside llama.cpp's, on the same GGUF, the same prompts, concurrency levels and output lengths.
 
-    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python -m tools.bench_peers [--levels 1 4 8 16]
+    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.bench_peers [--levels 1 4 8 16]
         [--requests-per-stream 2] [--prompt-tokens 128] [--output-tokens 128] [--out results/peers]
 
 Servers (all started first, then measured level by level, in turn, so the machine's load hits each alike):

@@ -2,7 +2,7 @@
 step, median of 40 steps after prefill, at batch 1 and 16, full precision and all-INT4 (fp16-stored, one
 thread). Run from the checkout to measure (cwd first on sys.path); alternate two checkouts to compare them:
 
-    OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 python -m tools.engine_overhead
+    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.engine_overhead
 """
 from __future__ import annotations
 

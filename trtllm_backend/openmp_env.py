@@ -1,19 +1,23 @@
 """How the engine's OpenMP threads wait between parallel regions: the environment every launcher sets.
 
 libgomp reads these once, when torch loads it, so they go into a child process's environment (launchers) or
-are exported (Makefile, Dockerfile, CI); changing them in a running process has no effect.
-- OMP_WAIT_POLICY=PASSIVE: an idle worker sleeps. Spinning without bound stalls the other core's threads on
-  a 2-core machine (other processes, Triton's own threads).
-- GOMP_SPINCOUNT=20000: ...but it spins ~0.6 ms first. A decode step runs ~150 short parallel regions a few
-  to tens of microseconds apart, and waking a sleeping worker costs ~20 us each time; the bounded spin
-  covers those gaps and still sleeps between steps. Measured: batch-1 decode +12% with fp16 weights
-  (30.8-32.3 -> 35.5-35.7 tok/s), +5% at batch 16.
+are exported (Makefile, Dockerfile); changing them in a running process has no effect.
+- OMP_WAIT_POLICY=ACTIVE with GOMP_SPINCOUNT=200000: a worker spins a bounded while (a few ms) after each
+  parallel region, then sleeps. A decode step runs from one (fused) to ~150 parallel regions microseconds
+  apart; waking a sleeping worker costs tens of microseconds on this VM, more than a small INT4 linear.
+  Measured on the 2-core machine, alone (`tools.bench_engine --policy full int4 --threads 2`, fp16-stored):
+  all-INT4 batch-1 step 9.5-10.4 ms with PASSIVE + GOMP_SPINCOUNT=20000 (the earlier setting; under PASSIVE
+  libgomp did not spin, whatever GOMP_SPINCOUNT said), 5.9 ms with ACTIVE + 20000, 3.9 ms with ACTIVE +
+  200000; served batch-1 TPOT 10.8 -> 5.9 ms. Unbounded spinning (ACTIVE alone) would hold a core while the
+  server idles and stall the other threads on a 2-core machine.
+- Where the machine is shared with other heavy work (CI, the test suite: .ci/run), PASSIVE is the polite
+  setting; a caller's own values always win (with_openmp_defaults fills only what is unset).
 """
 from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "200000"}
 
 
 def with_openmp_defaults(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
