@@ -11,7 +11,7 @@ Servers (all started first, then measured level by level, in turn, so the machin
   llama.cpp: /work notes, peers.md.)
 - `ours-full`: this project's Triton server, every layer at full precision (`morph_policy=full`), weights
   stored as `--weight-dtype`.
-- `ours-int4`: the same with every layer INT4 (`morph_policy=int4`, AWQ W4A16, fp32 activations).
+- `ours-int4`: the same with every layer INT4 (`morph_policy=int4`, AWQ 4-bit weights, int8 decode activations).
 
 Each level runs `level` closed-loop streams that send `requests-per-stream` requests each, back to back;
 every request forces its output length (Triton: `min_length` = `max_tokens`; llama.cpp: `ignore_eos` with
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from tools.replay.client import Clock, HttpSseTarget, Planned, RequestRecord
 from tools.replay.provenance import code_version, commit_phrase
+from trtllm_backend.openmp_env import OPENMP_ENV, with_openmp_defaults
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_BUILD = ROOT / "build" / "peers"
@@ -251,9 +252,11 @@ def render(result: dict) -> str:
                                                        + [_f(r.get(f"{n}_tpot"), ".2f") for n in ours]) + " |")
     lines += ["", "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
               "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
-              f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (W4A16, fp32 "
-              "activations) and, where the fragment set has the unit (the default set does since the INT8 head), the "
-              "tied embedding / LM head in INT8 (static int4 takes every unit).", ""]
+              f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
+              "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill in "
+              "fp32) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
+              "embedding / LM head in INT8 (static int4 takes every unit). OpenMP waiting of our servers: "
+              + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items()) + ".", ""]
     return "\n".join(lines)
 
 
@@ -299,7 +302,8 @@ def main(argv=None) -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
               "gguf": gguf.name, "servers": names, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "requests_per_stream": args.requests_per_stream,
-              "weight_dtype": args.weight_dtype, "threads": args.threads, "levels": []} | code_version()
+              "weight_dtype": args.weight_dtype, "threads": args.threads, "levels": [],
+              "openmp": {k: v for k, v in with_openmp_defaults(dict(os.environ)).items() if k in OPENMP_ENV}} | code_version()
     servers = {}
     ctx = args.prompt_tokens + args.output_tokens + 64
     try:
