@@ -38,11 +38,18 @@ _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unus
 _lock = threading.Lock()
 
 
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (/proc/cpuinfo), or None where they cannot be read."""
+    try:
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return None
+
+
 def unsupported_reason() -> str | None:
     """None when this CPU can run the kernels, else why not."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
+    flags = cpu_flags()
+    if flags is None:
         return "cannot read /proc/cpuinfo"
     missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     return f"the CPU lacks {', '.join(missing)}" if missing else None

@@ -100,9 +100,12 @@ def _int4(n: int, k: int, seed: int = 0):
 
 @pytest.fixture
 def fp32_activations():
-    previous = quant_matmul.set_int4_activations("float32")
+    """The exact paths: fp32 activations in decode and fp32 prefill matmuls (an engine built earlier in the
+    process may have set either process-wide)."""
+    previous = quant_matmul.set_int4_activations("float32"), quant_matmul.set_int4_prefill("float32")
     yield
-    quant_matmul.set_int4_activations(previous)
+    quant_matmul.set_int4_activations(previous[0])
+    quant_matmul.set_int4_prefill(previous[1])
 
 
 @pytest.fixture(params=["float32", "int8"])
@@ -163,16 +166,38 @@ def test_int4_linear_with_int8_activations_matches_its_reference(m, n, k):
 
 
 @needs_kernels
-def test_int8_activations_cost_about_a_percent_and_spare_prefill():
+def test_bf16_prefill_is_close_to_fp32_and_leaves_decode_rows_alone():
+    q, a, ref = _int4(960, 576, seed=7)
+    x = torch.randn(skinny_gemm.MAX_ROWS + 5, 576, generator=torch.Generator().manual_seed(7))
+    want = (x.double() @ ref.double().t()).float()
+    got = {}
+    for name in ("float32", "bfloat16"):
+        previous = quant_matmul.set_int4_prefill(name)
+        try:
+            got[name] = (ns.int4_linear(x, q, a, None, 960, 32, skinny_gemm.MAX_ROWS),
+                         ns.int4_linear(x[:4], q, a, None, 960, 32, skinny_gemm.MAX_ROWS))
+        finally:
+            quant_matmul.set_int4_prefill(previous)
+    err = ((got["bfloat16"][0] - want).norm() / want.norm()).item()
+    assert 1e-5 < err < 1e-2  # rounded to bf16 on the way in, accumulated in fp32
+    assert torch.equal(got["bfloat16"][1], got["float32"][1])  # decode rows never take the prefill path
+    with pytest.raises(ValueError, match="int4_prefill must be one of"):
+        quant_matmul.set_int4_prefill("fp8")
+    with pytest.raises(RuntimeError, match="0 \\(fp32\\), 1 \\(bf16\\) or -1 \\(read\\) expected, got 2"):
+        ns.int4_prefill_bf16(2)
+
+
+@needs_kernels
+def test_int8_activations_cost_about_a_percent_and_spare_prefill(fp32_activations):
     q, a, ref = _int4(960, 576, seed=5)
     x = torch.randn(skinny_gemm.MAX_ROWS + 1, 576, generator=torch.Generator().manual_seed(5))
     want = (x.double() @ ref.double().t()).float()
-    previous = quant_matmul.set_int4_activations("int8")
+    quant_matmul.set_int4_activations("int8")
     try:
         decode = ns.int4_linear(x[:8], q, a, None, 960, 32, skinny_gemm.MAX_ROWS)
         prefill = ns.int4_linear(x, q, a, None, 960, 32, skinny_gemm.MAX_ROWS)
     finally:
-        quant_matmul.set_int4_activations(previous)
+        quant_matmul.set_int4_activations("float32")
     err = ((decode - want[:8]).norm() / want[:8].norm()).item()
     assert 1e-4 < err < 2e-2  # quantized, and only slightly (absmax int8 per 32 inputs)
     torch.testing.assert_close(prefill, want, rtol=1e-5, atol=1e-5)  # prefill rows stay fp32

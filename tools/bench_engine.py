@@ -162,9 +162,9 @@ def bench_policy(args, policy: str) -> dict:
     morph_policy, _, activations = policy.partition("@")  # e.g. int4@float32: the INT4 kernel's activations
     engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=morph_policy, max_batch_size=max(args.batches),
                                     weight_dtype=args.weight_dtype, num_threads=args.threads,
-                                    int4_activations=activations or "int8"))
+                                    int4_activations=activations or "int8", int4_prefill=args.int4_prefill))
     dtype = engine.config.torch_dtype
-    print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
+    print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
           f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'} "
           f"fused decode layer={'yes' if cpu_kernels.ops() is not None and fused_decode.enabled() else 'no'}")
@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                     help="morph policies measured in turn (full, int4, int4:N; a suffix @float32 or @int8 sets the INT4 "
                          "kernel's activations, default int8); ratios to the first are printed")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
+    ap.add_argument("--int4-prefill", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="prefill matmuls of INT4 layers (EngineConfig.int4_prefill)")
     ap.add_argument("--fused-ab", action="store_true",
                     help="also time decode steps with the fused decode call off and on, alternating step by step")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],

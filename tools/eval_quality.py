@@ -136,8 +136,8 @@ def activations_check(args, t0: float) -> int:
     """The INT4 decode kernel's activations (plugins.quant_matmul.INT4_ACTIVATIONS): perplexity with every
     token's INT4 linears run through the decode kernel (in chunks of its row limit, as decode steps would),
     with float32 and with int8 activations, at several INT4 layer counts in the serving (LIS) order; and the
-    prefill path's (dequantize + MKL, fp32) for reference. Full-precision layers are unaffected."""
-    from plugins.quant_matmul import decode_kernel_everywhere, set_int4_activations
+    prefill path's (dequantize + MKL) with fp32 and with bf16 matmuls. Full-precision layers are unaffected."""
+    from plugins.quant_matmul import decode_kernel_everywhere, set_int4_activations, set_int4_prefill
 
     out: dict = {"command": "python -m tools.eval_quality --int4-activations", **code_version(),
                  "load_avg_1m_start": round(os.getloadavg()[0], 2),
@@ -146,21 +146,27 @@ def activations_check(args, t0: float) -> int:
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
     ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
     order, n = model.manifest.swap_order(), model.config.num_layers
-    previous = set_int4_activations("float32")
+    previous = set_int4_activations("float32"), set_int4_prefill("float32")
     try:
         for k in sorted({min(c, n) for c in (0, 8, 16, n)}):
             row = {"int4_layers": k, "prefill_path": perplexity(model, ids, order[:k])}
+            set_int4_prefill("bfloat16")
+            row["prefill_path_bf16"] = perplexity(model, ids, order[:k])
+            set_int4_prefill("float32")
+            row["prefill_bf16_vs_float32_pct"] = 100 * (row["prefill_path_bf16"] / row["prefill_path"] - 1)
             for name in ("float32", "int8"):
                 set_int4_activations(name)
                 with decode_kernel_everywhere():
                     row[f"decode_kernel_{name}"] = perplexity(model, ids, order[:k])
             row["int8_vs_float32_pct"] = 100 * (row["decode_kernel_int8"] / row["decode_kernel_float32"] - 1)
             out["runs"].append(row)
-            print(f"[quality] {k} INT4 layers: prefill path {row['prefill_path']:.4f}, decode kernel fp32 "
+            print(f"[quality] {k} INT4 layers: prefill path {row['prefill_path']:.4f} (bf16 {row['prefill_path_bf16']:.4f}, "
+                  f"{row['prefill_bf16_vs_float32_pct']:+.3f}%), decode kernel fp32 "
                   f"{row['decode_kernel_float32']:.4f}, int8 {row['decode_kernel_int8']:.4f} "
                   f"({row['int8_vs_float32_pct']:+.3f}%)", flush=True)
     finally:
-        set_int4_activations(previous)
+        set_int4_activations(previous[0])
+        set_int4_prefill(previous[1])
     path = _write_check(args, out, ids, t0, "int4_activations.json")
     print(f"[quality] {out['seconds']} s; wrote {path}")
     return 0

@@ -32,6 +32,9 @@ class EngineConfig:
     # Activations of the C++ INT4 decode kernel (plugins/quant_matmul.INT4_ACTIVATIONS): int8 (per-32 absmax,
     # ~2x faster) or float32. Process-wide: the last engine built in a process sets it.
     int4_activations: str = "int8"
+    # Prefill chunks' matmul in INT4 layers: bfloat16 inputs (fp32 accumulation; MKL's bf16 GEMM, ~4x faster
+    # with AVX512_BF16), float32, or auto (bfloat16 where the CPU has native bf16 dot products). Process-wide.
+    int4_prefill: str = "auto"
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
     memory_budget_bytes: int | None = None  # default: full-precision model + base KV pool + one staging fragment
     morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
@@ -59,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.weight_dtype not in ("auto", "float32", "float16"):
             raise ValueError(f"weight_dtype must be auto, float32 or float16, got {self.weight_dtype!r}")
+        if self.int4_prefill not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"int4_prefill must be auto, float32 or bfloat16, got {self.int4_prefill!r}")
         if self.int4_activations not in ("int8", "float32"):
             raise ValueError(f"int4_activations must be int8 or float32, got {self.int4_activations!r}")
         parse_forced(self.force_morph, "force_morph")  # a typo fails here, not at the iteration it names

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from plugins.quant_matmul import set_int4_activations
+from plugins.quant_matmul import set_int4_activations, set_int4_prefill
 
 from .attention import AttentionPlan, SeqSlice
 from .config import EngineConfig
@@ -45,6 +45,7 @@ class LLMEngine:
         pin_mmap_threshold()
         torch.set_num_threads(config.threads())
         set_int4_activations(config.int4_activations)
+        set_int4_prefill(config.int4_prefill)
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

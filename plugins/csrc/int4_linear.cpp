@@ -24,6 +24,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -108,13 +109,26 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& affine, i
   return w;
 }
 
+// Prefill chunks' matmul precision: fp32 (0) or bf16 inputs with fp32 accumulation (1), where MKL's bf16 GEMM
+// runs ~4.4x faster than its fp32 one on CPUs with AVX512_BF16 (measured at 256 rows, one core). Process-wide,
+// set by `int4_prefill_bf16`.
+std::atomic<int> prefill_bf16{0};
+
 // Prefill-sized input: dequantize into a per-thread scratch (kept: a fresh multi-MB tensor per call would be
 // mapped and faulted in anew each time) and let MKL multiply.
 at::Tensor dequantized_linear(const at::Tensor& input, const Packed& p, int64_t N) {
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < N * p.K) scratch.resize(N * p.K);
   dequantize_into(p, N, scratch.data());
-  return at::linear(input, at::from_blob(scratch.data(), {N, p.K}, at::kFloat));
+  const at::Tensor w = at::from_blob(scratch.data(), {N, p.K}, at::kFloat);
+  if (prefill_bf16.load(std::memory_order_relaxed) == 0) return at::linear(input, w);
+  // The same reuse for the bf16 copy; a raw buffer wrapped per call, as a kept tensor would carry the
+  // inference mode it was made in into calls made outside it (and refuse the in-place copy).
+  thread_local std::vector<at::BFloat16> scratch16;
+  if (static_cast<int64_t>(scratch16.size()) < N * p.K) scratch16.resize(N * p.K);
+  at::Tensor wb = at::from_blob(scratch16.data(), {N, p.K}, at::kBFloat16);
+  wb.copy_(w);
+  return at::linear(input.to(at::kBFloat16), wb).to(at::kFloat);
 }
 
 // `pre_scale` [K] (AWQ's activation scale of o/down, or none): x * pre_scale is what the weight multiplies;
@@ -161,9 +175,18 @@ int64_t int4_activation_bits(int64_t bits) {
   return previous;
 }
 
+// Sets the prefill path's matmul to bf16 (1) or fp32 (0) when `on` >= 0; returns the setting before the call.
+int64_t int4_prefill_bf16(int64_t on) {
+  TORCH_CHECK(on >= -1 && on <= 1, "int4_prefill_bf16: 0 (fp32), 1 (bf16) or -1 (read) expected, got ", on);
+  const int previous = prefill_bf16.load();
+  if (on >= 0) prefill_bf16.store(static_cast<int>(on));
+  return previous;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
+  m.def("int4_prefill_bf16(int on) -> int", int4_prefill_bf16);
   m.def("int4_activation_bits(int bits) -> int", int4_activation_bits);  // no tensors: a catch-all kernel
   m.def("int4_pack(Tensor qweight, Tensor scales_zeros, int group_size) -> (Tensor, Tensor)");
   m.def("int4_linear(Tensor input, Tensor packed, Tensor affine, Tensor? pre_scale, int out_features, int group_size, int max_skinny_rows) -> Tensor");
