@@ -101,13 +101,18 @@ def _bf16_call(fn, x: Tensor, out_features: int) -> Tensor:
 def set_int4_activations(name: str) -> str:
     """Process-wide: the activations of the C++ INT4 decode path (INT4_ACTIVATIONS); returns the previous
     setting. Prefill chunks (dequantize + MKL) and the kernel-less paths are unaffected. No-op without kernels."""
-    if name not in INT4_ACTIVATIONS:
-        raise ValueError(f"int4_activations must be one of {sorted(INT4_ACTIVATIONS)}, got {name!r}")
+    return _set_kernel_setting("int4_activations", INT4_ACTIVATIONS, name, "int4_activation_bits")
+
+
+def _set_kernel_setting(what: str, table: dict[str, int], name: str, op: str) -> str:
+    """Sets a process-wide kernel setting through its op (which returns the previous code); returns its name."""
+    if name not in table:
+        raise ValueError(f"{what} must be one of {sorted(table)}, got {name!r}")
     ops = cpu_kernels.ops()
     if ops is None:
         return name
-    previous = ops.int4_activation_bits(INT4_ACTIVATIONS[name])
-    return next(k for k, v in INT4_ACTIVATIONS.items() if v == previous)
+    previous = getattr(ops, op)(table[name])
+    return next(k for k, v in table.items() if v == previous)
 
 
 # Prefill chunks' matmul in the C++ INT4 path (plugins/csrc/int4_linear.cpp): float32, or bfloat16 inputs with
@@ -120,13 +125,7 @@ def set_int4_prefill(name: str) -> str:
     has native bf16 dot products, else float32); returns the previous setting. No-op without the kernels."""
     if name == "auto":
         name = "bfloat16" if {"avx512_bf16", "amx_bf16"} & (cpu_kernels.cpu_flags() or set()) else "float32"
-    if name not in INT4_PREFILL:
-        raise ValueError(f"int4_prefill must be one of {sorted(INT4_PREFILL)}, got {name!r}")
-    ops = cpu_kernels.ops()
-    if ops is None:
-        return name
-    previous = ops.int4_prefill_bf16(INT4_PREFILL[name])
-    return next(k for k, v in INT4_PREFILL.items() if v == previous)
+    return _set_kernel_setting("int4_prefill", INT4_PREFILL, name, "int4_prefill_bf16")
 
 
 _decode_kernel_everywhere = False
