@@ -253,8 +253,8 @@ def render(result: dict) -> str:
     lines += ["", "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
               "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
               f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
-              "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill in "
-              "fp32) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
+              "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill "
+              "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, since then bf16 where the CPU has it) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
               "embedding / LM head in INT8 (static int4 takes every unit). OpenMP waiting of our servers: "
               + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items()) + ".", ""]
     return "\n".join(lines)

@@ -26,7 +26,7 @@ constexpr int64_t kQRows = 4;       // INT8 activations: rows of x per pass over
 
 // Activations the skinny path multiplies the nibbles with: 32 (fp32, W4A16-like, exact products) or 8 (each
 // row quantized to int8 per 32 inputs, absmax scale; integer dot products, 4 instructions per 64 weights and
-// row against 26). Process-wide, set by `int4_activation_bits`; prefill (dequantize + MKL) is fp32 either way.
+// row against 26). Process-wide, set by `int4_activation_bits`; prefill chunks (dequantize + MKL) never come here.
 inline std::atomic<int> activation_bits{8};
 
 inline bool int8_activations(int64_t K, int64_t G) {
@@ -283,11 +283,6 @@ inline void prepare_input(const float* x, int64_t M, int64_t K, int64_t G, const
         _mm256_storeu_ps(sr + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(pre_scale + k)));
       xr = sr;
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 acc = _mm256_loadu_ps(xr + g * G);
-      for (int64_t k = g * G + 8; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xr + k));
-      xsum[m * groups + g] = hsum(acc);
-    }
     if (xq != nullptr) {
       // The zero-point term takes the quantized x too (as llama.cpp's Q8_1 block sum does): then the row
       // multiplies the weight w = q s + (z - 8 s) by one x, and its rounding error meets w, not the larger q s.
@@ -304,6 +299,11 @@ inline void prepare_input(const float* x, int64_t M, int64_t K, int64_t G, const
         xsum[m * groups + g] = sum;
       }
       continue;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc = _mm256_loadu_ps(xr + g * G);
+      for (int64_t k = g * G + 8; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xr + k));
+      xsum[m * groups + g] = hsum(acc);
     }
     for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xs + m * K + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), pow16));
   }
