@@ -7,6 +7,7 @@ import pytest
 from tests.capacity_fixtures import put
 from tools.capacity import store
 from tools.capacity.plan import Plan, policy_params
+from tools.capacity.search import round_rate, warm_grow
 from tools.capacity.traffic import KINDS
 
 
@@ -81,3 +82,21 @@ def test_policy_variants_become_server_parameters(tmp_path):
     assert path.parent.parent.name == "balanced+up_quiet_s=10"
     with pytest.raises(ValueError, match="expected POLICY\\+NAME=VALUE"):
         Plan([KINDS["conv"]], [256], ["balanced+up_quiet_s"], [0], tmp_path)
+
+
+def test_warm_bracket_costs_a_seed_two_probes_near_the_previous_capacity(tmp_path, capsys):
+    # seed 0 as stored above (full x0.3, balanced x0.45); seed 1 passes 5% above: x0.3 / x0.45 pass, one step up fails
+    stored_search(tmp_path)
+    for policy, cap in [("full", 0.3), ("balanced", 0.45)]:
+        put(tmp_path, "conv", 256, policy, 1, cap, 100, 95)
+        put(tmp_path, "conv", 256, policy, 1, round_rate(cap * warm_grow(0.25)), 100, 50)
+    warm = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0, 1], tmp_path, precision=0.25, max_probes=4,
+                warm_bracket=True)
+    warm._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+    out = capsys.readouterr().out
+    assert "seed 1 full: capacity x0.3 (converged, 2 probes)" in out
+    assert "seed 1 balanced: capacity x0.45 (converged, 2 probes)" in out
+    # without the flag the same seed brackets by x1.5 and wants a probe not stored
+    cold = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0, 1], tmp_path, precision=0.25, max_probes=4)
+    with pytest.raises(ServerWanted):
+        cold._run_pool(KINDS["conv"], 256, no_server, prompts=None)

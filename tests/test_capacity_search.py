@@ -2,7 +2,7 @@
 threshold."""
 import pytest
 
-from tools.capacity.search import Bisection, round_rate
+from tools.capacity.search import Bisection, round_rate, warm_grow
 
 
 def run(search: Bisection, threshold: float) -> Bisection:
@@ -71,3 +71,11 @@ def test_rates_are_rounded_so_reruns_ask_for_stored_rates():
 def test_bad_settings(kw):
     with pytest.raises(ValueError):
         Bisection(**kw)
+
+
+@pytest.mark.parametrize("start", [0.0977, 0.3, 0.5373, 1.234])
+def test_a_warm_step_closes_the_bracket_after_rounding(start):
+    s = Bisection(start, precision=0.1, grow=warm_grow(0.1))
+    s.record(s.next_rate(), True)
+    s.record(s.next_rate(), False)
+    assert s.status == "converged" and len(s.probes) == 2

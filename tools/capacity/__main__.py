@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--start-rate", type=float, help="rate scale every search starts at (default: the kind's)")
     ap.add_argument("--precision", type=float, default=0.05, help="bisection stops at hi/lo <= 1 + this")
     ap.add_argument("--max-probes", type=int, default=12, help="per policy and seed")
+    ap.add_argument("--warm-bracket", action="store_true",
+                    help="seeds after the first bracket in steps of the precision around the previous seed's capacity "
+                         "(off by default: stored searches made without it replay unchanged)")
     ap.add_argument("--param", action="append", default=[], type=_param, help="server parameter NAME=VALUE")
     ap.add_argument("--ttft-slo-s", type=float, default=Slos().ttft_s, help="keep the default across commits")
     ap.add_argument("--tpot-slo-s", type=float, default=Slos().tpot_s, help="keep the default across commits")
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
                 traffic = [replace(t, start_rate_scale=args.start_rate) for t in traffic]
             plan = Plan(traffic, args.pools, [p.strip() for p in args.policies.split(",") if p.strip()],
                         args.seeds, out, dict(args.param), Slos(args.ttft_slo_s, args.tpot_slo_s), args.precision,
-                        args.max_probes, args.force, args.progress)
+                        args.max_probes, args.force, args.progress, args.warm_bracket)
         except ValueError as exc:
             ap.error(str(exc))
         _remember(out, command)

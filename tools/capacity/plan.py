@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools.capacity import store
 from tools.capacity.probe import provenance, run_probe
-from tools.capacity.search import Bisection
+from tools.capacity.search import Bisection, warm_grow
 from tools.capacity.slo import Slos
 from tools.capacity.traffic import Traffic
 from tools.replay.paths import REPO_ROOT
@@ -50,6 +50,7 @@ class Plan:
     max_probes: int = 12
     force: bool = False
     progress: bool = False
+    warm_bracket: bool = False  # seeds after the first bracket around the previous capacity in precision steps
 
     def __post_init__(self):
         for p in self.policies:
@@ -87,8 +88,9 @@ class Plan:
 
     def _run_pool(self, traffic: Traffic, pool: int, server, prompts, server_started: dict | None = None) -> None:
         start = {p: traffic.start_rate_scale for p in self.policies}
+        grow = {p: Bisection.grow for p in self.policies}
         for seed in self.seeds:
-            searches = {p: Bisection(start[p], self.precision, max_probes=self.max_probes) for p in self.policies}
+            searches = {p: Bisection(start[p], self.precision, grow[p], max_probes=self.max_probes) for p in self.policies}
             while not all(s.done for s in searches.values()):
                 for policy, search in searches.items():  # one step of each policy, back to back
                     rate = search.next_rate()
@@ -114,3 +116,5 @@ class Plan:
                       f"({search.status}, {len(search.probes)} probes)", flush=True)
                 if search.capacity:  # the next seed starts where this one ended: fewer bracketing probes
                     start[policy] = search.capacity
+                    if self.warm_bracket:  # seeds agree to ~10%: 2-3 probes a seed, not 5
+                        grow[policy] = warm_grow(self.precision)

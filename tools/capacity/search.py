@@ -17,6 +17,13 @@ def round_rate(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+def warm_grow(precision: float) -> float:
+    """The bracketing step of a search that starts at a good guess (another seed's capacity): a bracket one step
+    wide is already converged, so a seed near the guess costs two probes. Just under 1 + precision so that rates
+    rounded to 4 digits still close the bracket."""
+    return 1 + 0.99 * precision
+
+
 @dataclass
 class Bisection:
     start: float
