@@ -188,6 +188,22 @@ def test_bf16_prefill_is_close_to_fp32_and_leaves_decode_rows_alone():
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", [960, 100, 7])
+def test_bf16_prefill_multiplies_the_dequantized_weights_rounded_to_bf16(n):
+    # Dequantized straight to bf16 in the kernel: the same weights as the fp32 dequantization rounded by torch,
+    # so the same GEMM result bit for bit.
+    q, a, ref = _int4(n, 576, seed=n)
+    x = torch.randn(skinny_gemm.MAX_ROWS + 3, 576, generator=torch.Generator().manual_seed(n))
+    previous = quant_matmul.set_int4_prefill("bfloat16")
+    try:
+        got = ns.int4_linear(x, q, a, None, n, 32, skinny_gemm.MAX_ROWS)
+    finally:
+        quant_matmul.set_int4_prefill(previous)
+    want = torch.nn.functional.linear(x.bfloat16(), ns.int4_dequantize(q, a, n, 32).bfloat16()).float()
+    assert torch.equal(got, want)
+
+
+@needs_kernels
 def test_int8_activations_cost_about_a_percent_and_spare_prefill(fp32_activations):
     q, a, ref = _int4(960, 576, seed=5)
     x = torch.randn(skinny_gemm.MAX_ROWS + 1, 576, generator=torch.Generator().manual_seed(5))

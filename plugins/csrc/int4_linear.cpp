@@ -75,11 +75,46 @@ std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweight, const at
   return {packed, affine};
 }
 
-// The fp32 weight [N, K] (w = q * s + (z - 8 s)) into `out`: the prefill path's and the tests' reference.
-void dequantize_into(const Packed& p, int64_t N, float* out) {
+
+// fp32 -> bf16 bits, rounded to nearest even: torch's conversion for every finite value (a dequantized weight
+// is finite), so the bf16 prefill multiplies exactly the weights that the fp32 dequantization followed by
+// `copy_` to bf16 gave, without writing and re-reading the fp32 matrix.
+inline __m128i bf16_round(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// 8x8 transpose: in v[j] lane r (input j of row r) -> out[r] lane j (row r's 8 consecutive inputs).
+inline void transpose8(const __m256 (&v)[8], __m256 (&out)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    out[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    out[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+inline void store_row(float* out, __m256 row) { _mm256_storeu_ps(out, row); }
+inline void store_row(uint16_t* out, __m256 row) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bf16_round(row)); }
+
+// The weight [N, K] (w = q * s + (z - 8 s)) into `out`, fp32 or bf16 (rounded from the same fp32 values): the
+// prefill path's and the tests' reference. Each 8-input chunk of a block is 8 vectors of 8 rows, transposed to
+// 8 row pieces in registers (not a scalar scatter: the prefill path dequantizes a whole layer per chunk).
+template <typename Out>
+void dequantize_into(const Packed& p, int64_t N, Out* out) {
   const int64_t blocks = (N + kLanes - 1) / kLanes, K = p.K;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(32) float w[8 * kLanes];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t rows = std::min<int64_t>(kLanes, N - b * kLanes);
       for (int64_t c = 0; c < K / 8; ++c) {
@@ -87,16 +122,13 @@ void dequantize_into(const Packed& p, int64_t N, float* out) {
         const __m256 s = bf16x8(a), z = bf16x8(a + kLanes);
         const __m256 off = _mm256_sub_ps(z, _mm256_mul_ps(_mm256_set1_ps(8.f), s));
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.word(b, c)));
-        _mm256_store_ps(w + 0 * kLanes, _mm256_fmadd_ps(nibble<0>(v), s, off));
-        _mm256_store_ps(w + 1 * kLanes, _mm256_fmadd_ps(nibble<1>(v), s, off));
-        _mm256_store_ps(w + 2 * kLanes, _mm256_fmadd_ps(nibble<2>(v), s, off));
-        _mm256_store_ps(w + 3 * kLanes, _mm256_fmadd_ps(nibble<3>(v), s, off));
-        _mm256_store_ps(w + 4 * kLanes, _mm256_fmadd_ps(nibble<4>(v), s, off));
-        _mm256_store_ps(w + 5 * kLanes, _mm256_fmadd_ps(nibble<5>(v), s, off));
-        _mm256_store_ps(w + 6 * kLanes, _mm256_fmadd_ps(nibble<6>(v), s, off));
-        _mm256_store_ps(w + 7 * kLanes, _mm256_fmadd_ps(nibble<7>(v), s, off));
-        for (int64_t r = 0; r < rows; ++r)
-          for (int j = 0; j < 8; ++j) out[(b * kLanes + r) * K + c * 8 + j] = w[j * kLanes + r];
+        const __m256 w[8] = {_mm256_fmadd_ps(nibble<0>(v), s, off), _mm256_fmadd_ps(nibble<1>(v), s, off),
+                             _mm256_fmadd_ps(nibble<2>(v), s, off), _mm256_fmadd_ps(nibble<3>(v), s, off),
+                             _mm256_fmadd_ps(nibble<4>(v), s, off), _mm256_fmadd_ps(nibble<5>(v), s, off),
+                             _mm256_fmadd_ps(nibble<6>(v), s, off), _mm256_fmadd_ps(nibble<7>(v), s, off)};
+        __m256 row[8];
+        transpose8(w, row);
+        for (int64_t r = 0; r < rows; ++r) store_row(out + (b * kLanes + r) * K + c * 8, row[r]);
       }
     }
   });
@@ -117,18 +149,19 @@ std::atomic<int> prefill_bf16{0};
 // Prefill-sized input: dequantize into a per-thread scratch (kept: a fresh multi-MB tensor per call would be
 // mapped and faulted in anew each time) and let MKL multiply.
 at::Tensor dequantized_linear(const at::Tensor& input, const Packed& p, int64_t N) {
+  if (prefill_bf16.load(std::memory_order_relaxed) == 1) {
+    // Straight to bf16 (a raw buffer wrapped per call, as a kept tensor would carry the inference mode it was
+    // made in into calls made outside it): the fp32 matrix and its copy pass cost 10% of a 16-stream run.
+    thread_local std::vector<uint16_t> scratch16;
+    if (static_cast<int64_t>(scratch16.size()) < N * p.K) scratch16.resize(N * p.K);
+    dequantize_into(p, N, scratch16.data());
+    const at::Tensor wb = at::from_blob(scratch16.data(), {N, p.K}, at::kBFloat16);
+    return at::linear(input.to(at::kBFloat16), wb).to(at::kFloat);
+  }
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < N * p.K) scratch.resize(N * p.K);
   dequantize_into(p, N, scratch.data());
-  const at::Tensor w = at::from_blob(scratch.data(), {N, p.K}, at::kFloat);
-  if (prefill_bf16.load(std::memory_order_relaxed) == 0) return at::linear(input, w);
-  // The same reuse for the bf16 copy; a raw buffer wrapped per call, as a kept tensor would carry the
-  // inference mode it was made in into calls made outside it (and refuse the in-place copy).
-  thread_local std::vector<at::BFloat16> scratch16;
-  if (static_cast<int64_t>(scratch16.size()) < N * p.K) scratch16.resize(N * p.K);
-  at::Tensor wb = at::from_blob(scratch16.data(), {N, p.K}, at::kBFloat16);
-  wb.copy_(w);
-  return at::linear(input.to(at::kBFloat16), wb).to(at::kFloat);
+  return at::linear(input, at::from_blob(scratch.data(), {N, p.K}, at::kFloat));
 }
 
 // `pre_scale` [K] (AWQ's activation scale of o/down, or none): x * pre_scale is what the weight multiplies;
