@@ -22,7 +22,8 @@ BLOCK = 16
 
 
 class OfflineModel:
-    def __init__(self, fragment_dir: str | Path, max_len: int = 1024, weight_dtype: torch.dtype = torch.float32):
+    def __init__(self, fragment_dir: str | Path, max_len: int = 1024, weight_dtype: torch.dtype = torch.float32,
+                 kv_dtype: torch.dtype = torch.float32):
         self.manifest = Manifest(fragment_dir)
         # weight_dtype=float16 stores the full-precision weights as the served default does (fp32 compute).
         self.store = FragmentStore(self.manifest, torch.float32, weight_dtype)
@@ -30,7 +31,9 @@ class OfflineModel:
         self.config = self.manifest.config
         self.full: list[LayerWeights] = [s.weights for s in self.model.slots]
         self.int4: list[LayerWeights] = [self.store.load_layer(i, Precision.INT4) for i in range(self.config.num_layers)]
-        self.pool = KVPool(self.config, BLOCK, torch.float32)
+        # kv_dtype=float16 stores K/V as a served kv_cache_dtype=float16 pool does: every attention reads them rounded.
+        self.kv_dtype = kv_dtype
+        self.pool = KVPool(self.config, BLOCK, kv_dtype)
         # The tied embedding / LM head: its full table and, where the set has one, its INT8 fragment.
         self.head_full = self.model.head.table
         self.head_int8 = self.store.load_head(Precision.INT8) if self.manifest.head_swappable() else None
@@ -48,7 +51,7 @@ class OfflineModel:
     def _plan(self, batch: int, length: int) -> AttentionPlan:
         need = batch * -(-length // BLOCK)
         if self.pool.num_blocks < need:
-            self.pool = KVPool(self.config, BLOCK, torch.float32)
+            self.pool = KVPool(self.config, BLOCK, self.kv_dtype)
             self.pool.add_segment(need)
         per = need // batch
         seqs = [SeqSlice(b * length, length, length, list(range(b * per, (b + 1) * per))) for b in range(batch)]

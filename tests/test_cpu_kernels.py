@@ -302,10 +302,11 @@ CFG = ModelConfig(vocab_size=16, hidden_size=48, intermediate_size=64, num_layer
                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
 
 
-def _pool_with_sequences(lens: list[int], segments: tuple[int, ...] = (6, 8, 7)) -> tuple[KVPool, list[list[int]]]:
+def _pool_with_sequences(lens: list[int], segments: tuple[int, ...] = (6, 8, 7),
+                         dtype: torch.dtype = torch.float32) -> tuple[KVPool, list[list[int]]]:
     """A pool of several segments, random K/V, and one block table per sequence spread over the segments."""
     torch.manual_seed(1)
-    pool = KVPool(CFG, block_size=4, dtype=torch.float32)
+    pool = KVPool(CFG, block_size=4, dtype=dtype)
     for n in segments:
         pool.add_segment(n)
     for seg in pool.segments:
@@ -335,10 +336,14 @@ def _attention(pool, tables, lens, q, use_kernel: bool, monkeypatch) -> torch.Te
     return out
 
 
+KV_DTYPES = [torch.float32, torch.float16]  # the pool's storage; compute stays fp32
+
+
 @needs_kernels
-def test_decode_attention_matches_torch_across_segments_and_lengths(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_attention_matches_torch_across_segments_and_lengths(monkeypatch, kv_dtype):
     lens = [1, 5, 17, 9, 30]
-    pool, tables = _pool_with_sequences(lens)
+    pool, tables = _pool_with_sequences(lens, dtype=kv_dtype)
     assert len({pool.segment_of(b).base for t in tables for b in t}) > 1  # the test spans segments
     q = torch.randn(len(lens), CFG.num_heads, CFG.head_dim)
     got = _attention(pool, tables, lens, q, True, monkeypatch)
@@ -405,35 +410,42 @@ def _decode_plan(pool, tables, lens):
 
 
 @needs_kernels
-def test_fused_decode_attention_equals_rope_then_pool_write_then_attention(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_fused_decode_attention_equals_rope_then_pool_write_then_attention(monkeypatch, kv_dtype):
     from trtllm_backend.layers import apply_rope
 
     lens, layer = [1, 5, 17, 9, 30], 1
     H, KVH, D = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
     qkv, cos, sin = _fused_inputs(lens)
-    # Reference: torch RoPE, the plan's torch pool write, the torch attention, on an identical pool.
-    ref_pool, tables = _pool_with_sequences(lens)
+    # Reference: torch RoPE, the plan's torch pool write (a cast to the pool's dtype), the torch attention, on an
+    # identical pool.
+    ref_pool, tables = _pool_with_sequences(lens, dtype=kv_dtype)
     monkeypatch.setattr(attention, "decode_kernel_op", lambda kv_dtype, on_cuda: None)
     ref_plan = _decode_plan(ref_pool, tables, lens)
     assert not ref_plan.fused_decode
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=1)
-    ref = paged_attention.paged_attention(apply_rope(q.view(-1, H, D), cos, sin), apply_rope(k.view(-1, KVH, D), cos, sin),
-                                          v.reshape(-1, KVH, D), layer, ref_plan).reshape(len(lens), H * D)
+    ref = paged_attention.paged_attention(apply_rope(q.view(-1, H, D), cos, sin),
+                                          apply_rope(k.view(-1, KVH, D), cos, sin).to(kv_dtype),
+                                          v.reshape(-1, KVH, D).to(kv_dtype), layer, ref_plan).reshape(len(lens), H * D)
     monkeypatch.undo()
-    pool, tables2 = _pool_with_sequences(lens)
+    pool, tables2 = _pool_with_sequences(lens, dtype=kv_dtype)
     assert tables2 == tables
     plan = _decode_plan(pool, tables, lens)
     assert plan.fused_decode
     got = paged_attention.decode_attention_qkv(qkv, cos, sin, layer, plan, H)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     for seg, ref_seg in zip(pool.segments, ref_pool.segments):  # the same K/V landed in the same slots
-        torch.testing.assert_close(seg.kv, ref_seg.kv, rtol=1e-6, atol=1e-6)
+        if kv_dtype == torch.float16:  # rounded to nearest like torch's cast (RoPE's fp32 may differ by an ulp)
+            torch.testing.assert_close(seg.kv.float(), ref_seg.kv.float(), rtol=1e-3, atol=1e-3)
+        else:
+            torch.testing.assert_close(seg.kv, ref_seg.kv, rtol=1e-6, atol=1e-6)
 
 
 @needs_kernels
-def test_fused_decode_attention_of_a_sequence_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_fused_decode_attention_of_a_sequence_does_not_depend_on_the_batch(kv_dtype):
     lens = [3, 11, 26]
-    pool, tables = _pool_with_sequences(lens)
+    pool, tables = _pool_with_sequences(lens, dtype=kv_dtype)
     qkv, cos, sin = _fused_inputs(lens)
     batched = paged_attention.decode_attention_qkv(qkv, cos, sin, 0, _decode_plan(pool, tables, lens), CFG.num_heads)
     for i in range(len(lens)):

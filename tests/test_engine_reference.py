@@ -85,3 +85,32 @@ def test_fp16_weight_storage_halves_the_weights_and_keeps_the_logits(engine):
     assert rel < 1e-2
     out = "".join(o.text for o in half.generate("The capital of France is", SamplingParams(max_tokens=4)))
     assert out.startswith(" Paris")
+
+
+def test_fp16_kv_cache_halves_each_block_and_keeps_prefill_and_decode_logits(engine):
+    # kv_cache_dtype=float16: K/V rounded to fp16 when written to the pool, widened when read (compute in fp32).
+    # Each block costs half the bytes; the logits stay close to the fp32 pool's, through prefill and through
+    # paged decode steps (the C++ decode kernel reading fp16 slots), and greedy output is unchanged.
+    half = make_engine(kv_cache_dtype="float16")
+    assert half.pool.dtype == torch.float16
+    assert half.pool.bytes_per_block * 2 == engine.pool.bytes_per_block
+    assert half.pool.num_blocks == engine.pool.num_blocks  # the same tokens in half the memory
+    ids = corpus_window(engine, 64)
+    ref, got = engine_logits(engine, ids), engine_logits(half, ids)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    print(f"fp16 KV, prefill: max relative logit difference {rel:.2e}")
+    assert 0 < rel < 1e-2
+    prompt = engine.tokenizer.decode(ids[:30])
+    steps = {}
+    for name, eng in (("fp32", engine), ("fp16", half)):
+        rows = steps.setdefault(name, [])
+        eng.on_logits = lambda rid, row, rows=rows: rows.append(row.clone())
+        eng.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), lambda o: None)
+        eng.run_until_idle()
+        eng.on_logits = None
+    assert len(steps["fp32"]) == len(steps["fp16"]) == 8
+    for a, b in zip(steps["fp32"], steps["fp16"]):  # prefill's last row, then decode steps over the pool
+        finite = torch.isfinite(a)  # ignore_eos masks the EOS logits in both
+        assert torch.equal(finite, torch.isfinite(b))
+        assert (b[finite] - a[finite]).abs().max() / a[finite].abs().max() < 1e-2
+    assert [r.argmax() for r in steps["fp32"]] == [r.argmax() for r in steps["fp16"]]

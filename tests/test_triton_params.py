@@ -35,7 +35,8 @@ def test_sampling_targets_are_sampling_params_fields():
 
 
 # NOTE: deliberate differences between what the server serves and the engine library's default.
-SERVED_DEFAULTS = {"weight_dtype": "float16"}  # fp16 storage served; EngineConfig keeps the exact fp32 reference
+# fp16 storage of weights and KV served; EngineConfig keeps the exact fp32 reference.
+SERVED_DEFAULTS = {"weight_dtype": "float16", "kv_cache_dtype": "float16"}
 
 
 def test_engine_targets_are_engine_config_fields_with_the_same_defaults():

@@ -3,6 +3,7 @@
     python -m tools.eval_quality [--fragment-dir DIR] [--corpus FILE] [--windows 8 --seq-len 256] [--out results/quality]
     python -m tools.eval_quality --lm-head --fragment-dir DIR   # the INT8 embedding / LM head's cost (lm_head.json)
     python -m tools.eval_quality --int4-activations   # int8 vs fp32 activations in the INT4 decode kernel
+    python -m tools.eval_quality --kv-cache-check     # the KV cache stored in fp16 vs fp32 (kv_cache.json)
 
 Held-out text: the last 10% of the corpus (calibration and profiling use the first 80%). Orders:
 front-to-back, back-to-front, random (seeded) and LIS (the profiled swap order in the manifest). Writes
@@ -88,6 +89,30 @@ def storage_check(args, t0: float) -> int:
     out["float16_vs_float32_pct"] = 100 * (out["float16"] / out["float32"] - 1)
     path = _write_check(args, out, ids, t0, "storage.json")
     print(f"[quality] fp16 storage moves perplexity by {out['float16_vs_float32_pct']:+.4f}%; wrote {path}")
+    return 0
+
+
+def kv_cache_check(args, t0: float) -> int:
+    """Perplexity with the paged KV cache stored in fp32 and in fp16 (kv_cache_dtype), weights stored in fp16 as
+    served, with no INT4 layer and with every layer INT4 (LIS order), on the same held-out tokens."""
+    import torch
+
+    out: dict = {"command": "python -m tools.eval_quality --kv-cache-check", **code_version(),
+                 "load_avg_1m_start": round(os.getloadavg()[0], 2), "weight_dtype": "float16",
+                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
+                              "seq_len": args.seq_len}, "runs": []}
+    models = {name: OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=torch.float16, kv_dtype=dtype)
+              for name, dtype in (("float32", torch.float32), ("float16", torch.float16))}
+    ids = corpus_tokens(Tokenizer(models["float32"].manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    n = models["float32"].config.num_layers
+    for layers in ([], models["float32"].manifest.swap_order()[:n]):
+        row = {"int4_layers": len(layers)} | {f"kv_{name}": perplexity(m, ids, layers) for name, m in models.items()}
+        row["float16_vs_float32_pct"] = 100 * (row["kv_float16"] / row["kv_float32"] - 1)
+        out["runs"].append(row)
+        print(f"[quality] {len(layers)} INT4 layers: KV fp32 {row['kv_float32']:.4f}, fp16 {row['kv_float16']:.4f} "
+              f"({row['float16_vs_float32_pct']:+.4f}%)", flush=True)
+    path = _write_check(args, out, ids, t0, "kv_cache.json")
+    print(f"[quality] {out['seconds']} s; wrote {path}")
     return 0
 
 
@@ -181,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "quality"))
+    ap.add_argument("--kv-cache-check", action="store_true",
+                    help="only the perplexity with the KV cache stored in fp32 and in fp16 (kv_cache.json)")
     ap.add_argument("--storage-check", action="store_true",
                     help="only the full-precision perplexity with fp32- and fp16-stored weights (storage.json)")
     ap.add_argument("--lm-head", action="store_true",
@@ -193,6 +220,8 @@ def main(argv=None) -> int:
         return activations_check(args, t0)
     if args.storage_check:
         return storage_check(args, t0)
+    if args.kv_cache_check:
+        return kv_cache_check(args, t0)
     if args.lm_head:
         return head_check(args, t0)
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)

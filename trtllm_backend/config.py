@@ -32,6 +32,10 @@ class EngineConfig:
     # Activations of the C++ INT4 decode kernel (plugins/quant_matmul.INT4_ACTIVATIONS): int8 (per-32 absmax,
     # ~2x faster) or float32. Process-wide: the last engine built in a process sets it.
     int4_activations: str = "int8"
+    # Storage of the paged KV cache; auto: the compute dtype. float16 beside float32 compute halves each block's
+    # bytes (twice the tokens in the same memory, and in the memory a swapped layer frees) and what a decode
+    # step's attention reads; K/V are rounded to fp16 when written and widened exactly when read.
+    kv_cache_dtype: str = "auto"
     # Prefill chunks' matmul in INT4 layers: bfloat16 inputs (fp32 accumulation; MKL's bf16 GEMM, ~4x faster
     # with AVX512_BF16), float32, or auto (bfloat16 where the CPU has native bf16 dot products). Process-wide.
     int4_prefill: str = "auto"
@@ -62,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.weight_dtype not in ("auto", "float32", "float16"):
             raise ValueError(f"weight_dtype must be auto, float32 or float16, got {self.weight_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.int4_prefill not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"int4_prefill must be auto, float32 or bfloat16, got {self.int4_prefill!r}")
         if self.int4_activations not in ("int8", "float32"):
@@ -83,6 +89,10 @@ class EngineConfig:
     @property
     def weight_torch_dtype(self) -> torch.dtype:
         return self.torch_dtype if self.weight_dtype == "auto" else getattr(torch, self.weight_dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
     @property
     def base_kv_blocks(self) -> int:

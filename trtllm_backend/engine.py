@@ -55,7 +55,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.manifest)
         self._eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.model = LlamaModel(self.store, self.max_model_len)
-        self.pool = KVPool(mc, config.block_size, config.torch_dtype, config.device)
+        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device)
         self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks

@@ -16,11 +16,19 @@ namespace morphserve_cpu {
 namespace attn {
 
 
-// One layer's keys and values in every segment: slot s of segment i holds [KVH, D] floats at k[i] + s*KVH*D.
+// One layer's keys and values in every segment: slot s of segment i holds [KVH, D] elements at k[i] + s*KVH*D,
+// fp32 or fp16 (the pool's dtype; fp16 halves the bytes a decode step reads and each block's memory; the
+// arithmetic is fp32 either way: fp16 widens exactly on load and the new token's K/V round to nearest on store).
 struct LayerKV {
-  std::vector<float*> k, v;
+  std::vector<void*> k, v;
   std::vector<int64_t> slots;
   int64_t kv_heads = 0, head_dim = 0, num_layers = 0, layer = 0;
+  bool half = false;
+  template <typename T>
+  T* key(int64_t seg) const { return static_cast<T*>(k[seg]); }
+  template <typename T>
+  T* value(int64_t seg) const { return static_cast<T*>(v[seg]); }
+  int64_t elem_size() const { return half ? 2 : 4; }
 };
 
 inline LayerKV layer_kv(at::TensorList segments, int64_t layer, const char* op) {
@@ -33,16 +41,19 @@ inline LayerKV layer_kv(at::TensorList segments, int64_t layer, const char* op) 
   kv.head_dim = s0.size(4);
   kv.num_layers = s0.size(0);
   kv.layer = layer;
+  TORCH_CHECK(s0.scalar_type() == at::kFloat || s0.scalar_type() == at::kHalf, op,
+              ": fp32 or fp16 KV segments expected, got ", s0.scalar_type());
+  kv.half = s0.scalar_type() == at::kHalf;
   for (size_t i = 0; i < segments.size(); ++i) {
     const auto& s = segments[i];
-    TORCH_CHECK(s.is_contiguous() && s.scalar_type() == at::kFloat && s.dim() == 5 && s.size(3) == kv.kv_heads &&
-                    s.size(4) == kv.head_dim && s.size(0) == s0.size(0),
-                op, ": segment ", i, " is not a contiguous fp32 [layers, 2, slots, ", kv.kv_heads, ", ",
-                kv.head_dim, "] tensor");
+    TORCH_CHECK(s.is_contiguous() && s.scalar_type() == s0.scalar_type() && s.dim() == 5 &&
+                    s.size(3) == kv.kv_heads && s.size(4) == kv.head_dim && s.size(0) == s0.size(0),
+                op, ": segment ", i, " is not a contiguous ", s0.scalar_type(), " [layers, 2, slots, ", kv.kv_heads,
+                ", ", kv.head_dim, "] tensor like segment 0");
     const int64_t slots = s.size(2);
-    float* base = s.data_ptr<float>() + layer * 2 * slots * kv.kv_heads * kv.head_dim;
+    char* base = static_cast<char*>(s.data_ptr()) + layer * 2 * slots * kv.kv_heads * kv.head_dim * kv.elem_size();
     kv.k.push_back(base);
-    kv.v.push_back(base + slots * kv.kv_heads * kv.head_dim);
+    kv.v.push_back(base + slots * kv.kv_heads * kv.head_dim * kv.elem_size());
     kv.slots.push_back(slots);
   }
   return kv;
@@ -53,9 +64,9 @@ inline LayerKV at_layer(const LayerKV& kv, int64_t layer, const char* op) {
   TORCH_CHECK(layer >= 0 && layer < kv.num_layers, op, ": layer ", layer, " out of range");
   LayerKV out = kv;
   for (size_t i = 0; i < kv.k.size(); ++i) {
-    const int64_t step = (layer - kv.layer) * 2 * kv.slots[i] * kv.kv_heads * kv.head_dim;
-    out.k[i] = kv.k[i] + step;
-    out.v[i] = kv.v[i] + step;
+    const int64_t step = (layer - kv.layer) * 2 * kv.slots[i] * kv.kv_heads * kv.head_dim * kv.elem_size();
+    out.k[i] = static_cast<char*>(kv.k[i]) + step;
+    out.v[i] = static_cast<char*>(kv.v[i]) + step;
   }
   out.layer = layer;
   return out;
@@ -97,14 +108,14 @@ inline Positions positions(const at::Tensor& segment_of, const at::Tensor& slot_
 }
 
 // scores[g * n + t] = (q_g . k_t) * sc for the G query heads of one KV head: each key is read once for all G.
-template <int G>
-inline void scores_avx(const float* qg, const float* const* keys, int64_t n, int64_t D, float sc, float* scores) {
+template <int G, typename T>
+inline void scores_avx(const float* qg, const T* const* keys, int64_t n, int64_t D, float sc, float* scores) {
   for (int64_t t = 0; t < n; ++t) {
-    const float* k = keys[t];
+    const T* k = keys[t];
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 kv = _mm256_loadu_ps(k + d);
+      const __m256 kv = load8(k + d);
       for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + g * D + d), kv, acc[g]);
     }
     for (int g = 0; g < G; ++g) scores[g * n + t] = hsum(acc[g]) * sc;
@@ -112,11 +123,12 @@ inline void scores_avx(const float* qg, const float* const* keys, int64_t n, int
 }
 
 // Any G and D (the vector path needs D % 8 == 0 and G <= 8).
-inline void scores_scalar(const float* qg, const float* const* keys, int64_t n, int64_t G, int64_t D, float sc, float* scores) {
+template <typename T>
+inline void scores_scalar(const float* qg, const T* const* keys, int64_t n, int64_t G, int64_t D, float sc, float* scores) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qg[g * D + d] * keys[t][d];
+      for (int64_t d = 0; d < D; ++d) dot += qg[g * D + d] * load1(keys[t] + d);
       scores[g * n + t] = dot * sc;
     }
 }
@@ -141,7 +153,8 @@ inline void softmax_rows(float* scores, int64_t G, int64_t n) {
 }
 
 // o_g = sum_t p[g, t] v_t, a head's output kept in registers 64 floats at a time.
-inline void values_avx(const float* probs, const float* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
+template <typename T>
+inline void values_avx(const float* probs, const T* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
   constexpr int64_t kChunk = 64;
   for (int64_t g = 0; g < G; ++g) {
     const float* p = probs + g * n;
@@ -152,68 +165,78 @@ inline void values_avx(const float* probs, const float* const* vals, int64_t n, 
       for (auto& a : acc) a = _mm256_setzero_ps();
       for (int64_t t = 0; t < n; ++t) {
         const __m256 pv = _mm256_set1_ps(p[t]);
-        const float* v = vals[t] + d0;
+        const T* v = vals[t] + d0;
 #pragma GCC unroll 8
-        for (int j = 0; j < kChunk / 8; ++j) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        for (int j = 0; j < kChunk / 8; ++j) acc[j] = _mm256_fmadd_ps(pv, load8(v + 8 * j), acc[j]);
       }
       for (int j = 0; j < kChunk / 8; ++j) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
     }
     for (; d0 < D; d0 += 8) {
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t t = 0; t < n; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vals[t] + d0), acc);
+      for (int64_t t = 0; t < n; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load8(vals[t] + d0), acc);
       _mm256_storeu_ps(o + d0, acc);
     }
   }
 }
 
-inline void values_scalar(const float* probs, const float* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
+template <typename T>
+inline void values_scalar(const float* probs, const T* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
   std::fill(og, og + G * D, 0.f);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) og[g * D + d] += probs[g * n + t] * vals[t][d];
+      for (int64_t d = 0; d < D; ++d) og[g * D + d] += probs[g * n + t] * load1(vals[t] + d);
 }
 
 // out [B, H, D] = softmax(q k^T * scale) v for every row over its lens[b] cached positions.
 // Per-thread scratch of attend_task.
 struct Scratch {
   std::vector<float> scores;
-  std::vector<const float*> keys, vals;
+  std::vector<const void*> keys, vals;
 };
 
 // Task b * KVH + kvh: the G query heads of row b that share KV head kvh, over its lens[b] cached positions.
-inline void attend_task(int64_t task, const float* qp, float* op, int64_t H, const LayerKV& kv, const Positions& pos,
-                        float sc, Scratch& w) {
+template <typename T>
+inline void attend_task_as(int64_t task, const float* qp, float* op, int64_t H, const LayerKV& kv, const Positions& pos,
+                           float sc, Scratch& w) {
   const int64_t KVH = kv.kv_heads, D = kv.head_dim, G = H / KVH, L = pos.L;
   const int64_t b = task / KVH, kvh = task % KVH, n = pos.len[b];
   w.keys.resize(n);
   w.vals.resize(n);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t s = pos.seg[b * L + t], off = (pos.slot[b * L + t] * KVH + kvh) * D;
-    w.keys[t] = kv.k[s] + off;
-    w.vals[t] = kv.v[s] + off;
+    w.keys[t] = kv.key<T>(s) + off;
+    w.vals[t] = kv.value<T>(s) + off;
   }
+  const T* const* keys = reinterpret_cast<const T* const*>(w.keys.data());
+  const T* const* vals = reinterpret_cast<const T* const*>(w.vals.data());
   w.scores.resize(G * n);
   const float* qg = qp + (b * H + kvh * G) * D;
   float* og = op + (b * H + kvh * G) * D;
   float* scores = w.scores.data();
   if (!(D % 8 == 0 && G >= 1 && G <= 8)) {
-    scores_scalar(qg, w.keys.data(), n, G, D, sc, scores);
+    scores_scalar(qg, keys, n, G, D, sc, scores);
     softmax_rows(scores, G, n);
-    values_scalar(scores, w.vals.data(), n, G, D, og);
+    values_scalar(scores, vals, n, G, D, og);
     return;
   }
   switch (G) {
-    case 1: scores_avx<1>(qg, w.keys.data(), n, D, sc, scores); break;
-    case 2: scores_avx<2>(qg, w.keys.data(), n, D, sc, scores); break;
-    case 3: scores_avx<3>(qg, w.keys.data(), n, D, sc, scores); break;
-    case 4: scores_avx<4>(qg, w.keys.data(), n, D, sc, scores); break;
-    case 5: scores_avx<5>(qg, w.keys.data(), n, D, sc, scores); break;
-    case 6: scores_avx<6>(qg, w.keys.data(), n, D, sc, scores); break;
-    case 7: scores_avx<7>(qg, w.keys.data(), n, D, sc, scores); break;
-    default: scores_avx<8>(qg, w.keys.data(), n, D, sc, scores); break;
+    case 1: scores_avx<1>(qg, keys, n, D, sc, scores); break;
+    case 2: scores_avx<2>(qg, keys, n, D, sc, scores); break;
+    case 3: scores_avx<3>(qg, keys, n, D, sc, scores); break;
+    case 4: scores_avx<4>(qg, keys, n, D, sc, scores); break;
+    case 5: scores_avx<5>(qg, keys, n, D, sc, scores); break;
+    case 6: scores_avx<6>(qg, keys, n, D, sc, scores); break;
+    case 7: scores_avx<7>(qg, keys, n, D, sc, scores); break;
+    default: scores_avx<8>(qg, keys, n, D, sc, scores); break;
   }
   softmax_rows(scores, G, n);
-  values_avx(scores, w.vals.data(), n, G, D, og);
+  values_avx(scores, vals, n, G, D, og);
+}
+
+inline void attend_task(int64_t task, const float* qp, float* op, int64_t H, const LayerKV& kv, const Positions& pos,
+                        float sc, Scratch& w) {
+  if (kv.half) attend_task_as<uint16_t>(task, qp, op, H, kv, pos, sc, w);
+  else attend_task_as<float>(task, qp, op, H, kv, pos, sc, w);
 }
 
 // Half-split RoPE (the HF layout the fragments use): [x1, x2] -> [x1 c - x2 s, x2 c + x1 s].
@@ -225,6 +248,12 @@ inline void rope(const float* x, const float* c, const float* s, float* out, int
   }
 }
 
+// n floats into a pool slot: a copy, or fp16 rounded to nearest even (as torch's cast to float16).
+inline void store_kv(const float* x, float* out, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
+inline void store_kv(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 
 // From row b of the fused q|k|v projection: RoPE on the G query heads of KV head kvh into q [B, H, D], and the
 // new token's K (RoPE'd) and V of that head into its pool slot (the row's last position).
@@ -234,8 +263,17 @@ inline void rope_and_write(const float* qkv, const float* cos, const float* sin,
   const float *row = qkv + b * (H + 2 * KVH) * D, *cb = cos + b * half, *sb = sin + b * half;
   for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) rope(row + h * D, cb, sb, qp + (b * H + h) * D, half);
   const int64_t t = pos.len[b] - 1, seg = pos.seg[b * pos.L + t], slot = pos.slot[b * pos.L + t];
-  rope(row + (H + kvh) * D, cb, sb, kv.k[seg] + (slot * KVH + kvh) * D, half);
-  std::memcpy(kv.v[seg] + (slot * KVH + kvh) * D, row + (H + KVH + kvh) * D, D * sizeof(float));
+  const int64_t off = (slot * KVH + kvh) * D;
+  if (!kv.half) {
+    rope(row + (H + kvh) * D, cb, sb, kv.key<float>(seg) + off, half);
+    store_kv(row + (H + KVH + kvh) * D, kv.value<float>(seg) + off, D);
+    return;
+  }
+  float k[512];
+  TORCH_CHECK(D <= 512, "paged attention: head_dim ", D, " above 512");
+  rope(row + (H + kvh) * D, cb, sb, k, half);
+  store_kv(k, kv.key<uint16_t>(seg) + off, D);
+  store_kv(row + (H + KVH + kvh) * D, kv.value<uint16_t>(seg) + off, D);
 }
 
 }  // namespace attn

@@ -130,6 +130,10 @@ PARAMS: tuple[Param, ...] = (
           "Storage of the full-precision weights; float16 under float32 compute halves a CPU decode step's reads "
           "(+0.007% perplexity); auto: the dtype itself (the exact reference of the engine's logit tests).",
           one_of("auto", "float32", "float16")),
+    Param("kv_cache_dtype", "str", "float16", "engine.kv_cache_dtype",
+          "Storage of the paged KV cache; float16 under float32 compute halves each block's bytes (twice the "
+          "tokens per byte of pool and of the memory a swapped layer frees; -0.002% perplexity); auto: the dtype "
+          "itself (the exact reference of the engine's logit tests).", one_of("auto", "float32", "float16", "bfloat16")),
     Param("int4_activations", "str", "int8", "engine.int4_activations",
           "Activations of the CPU INT4 decode kernel: int8 (per 32 inputs, up to 2x faster, +0.14% perplexity "
           "with every layer INT4) or "
