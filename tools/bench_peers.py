@@ -228,12 +228,14 @@ def _f(v, fmt):
 
 def render(result: dict) -> str:
     names = result["servers"]
+    repeats = result.get("repeats", 1)
+    how = (f"{repeats} rounds over every level and server, the servers' order turning each round; per server and "
+           "level the median round (by output tok/s)" if repeats > 1 else "levels measured server after server")
     lines = [f"# This server vs llama.cpp's, one run ({result['started_utc']})", "",
              f"Command: `{result['command']}`; code: {commit_phrase(result)}{result.get('commit_note', '')}", "",
              f"Machine: {result['machine']}; load average at start {result['load_at_start']}. "
              f"Same GGUF ({result['gguf']}), {result['prompt_tokens']}-token prompts, {result['output_tokens']} output "
-             f"tokens forced, {result['requests_per_stream']} requests per stream, closed loop; levels measured "
-             "server after server.", "",
+             f"tokens forced, {result['requests_per_stream']} requests per stream, closed loop; {how}.", "",
              "| level | server | output tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | ok/requests |",
              "|---|---|---|---|---|---|---|"]
     for lv in result["levels"]:
@@ -243,19 +245,25 @@ def render(result: dict) -> str:
                          f"{_f(s['ttft_p95_s'] and s['ttft_p95_s'] * 1e3, '.0f')} | {_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} | "
                          f"{s['ok']}/{s['requests']} |")
     ours = [n for n in names if n != "llama.cpp"]
-    lines += ["", "Ratios, ours / llama.cpp (output tok/s; TPOT: llama.cpp's over ours, so > 1 means ours is faster):", "",
-              "| level | " + " | ".join([f"{n} tok/s" for n in ours] + [f"{n} TPOT" for n in ours]) + " |",
+    span = f", median [lowest, highest] of {repeats} rounds, each measured in one round" if repeats > 1 else ""
+    lines += ["", f"Ratios, ours / llama.cpp (output tok/s; TPOT: llama.cpp's over ours, so > 1 means ours is faster{span}):",
+              "", "| level | " + " | ".join([f"{n} tok/s" for n in ours] + [f"{n} TPOT" for n in ours]) + " |",
               "|---|" + "---|" * (2 * len(ours))]
+
+    def cell(lv, key):
+        v, rng = lv["ratios"].get(key), (lv.get("ratio_ranges") or {}).get(key)
+        return _f(v, ".2f") + (f" [{rng[0]:.2f}, {rng[1]:.2f}]" if rng and repeats > 1 else "")
+
     for lv in result["levels"]:
-        r = lv["ratios"]
-        lines.append(f"| {lv['level']} | " + " | ".join([_f(r.get(f"{n}_tok_s"), ".2f") for n in ours]
-                                                       + [_f(r.get(f"{n}_tpot"), ".2f") for n in ours]) + " |")
+        lines.append(f"| {lv['level']} | " + " | ".join([cell(lv, f"{n}_tok_s") for n in ours]
+                                                       + [cell(lv, f"{n}_tpot") for n in ours]) + " |")
     lines += ["", "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
               "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
               f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
               "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill "
               "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, since then bf16 where the CPU has it) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
-              "embedding / LM head in INT8 (static int4 takes every unit). OpenMP waiting of our servers: "
+              "embedding / LM head in INT8 (static int4 takes every unit). KV cache: llama.cpp's default f16; ours per "
+              "`kv_cache_dtype`, fp32 before commit 767b828, since then the served default fp16. OpenMP waiting of our servers: "
               + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items()) + ".", ""]
     return "\n".join(lines)
 
@@ -266,6 +274,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds over every level and server, the servers' order turning each round; the report "
+                         "gives each ratio's median with its lowest and highest round")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--weight-dtype", default="float16", choices=["float32", "float16"],
@@ -287,8 +298,8 @@ def main(argv=None) -> int:
     unknown = set(names) - {"llama.cpp", "ours-full", "ours-int4"}
     if unknown:
         ap.error(f"unknown servers {sorted(unknown)} (llama.cpp, ours-full, ours-int4)")
-    if any(lv < 1 for lv in args.levels) or args.requests_per_stream < 1:
-        ap.error("levels and --requests-per-stream must be positive")
+    if any(lv < 1 for lv in args.levels) or args.requests_per_stream < 1 or args.repeats < 1:
+        ap.error("levels, --requests-per-stream and --repeats must be positive")
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     gguf = gguf_path()
@@ -302,6 +313,7 @@ def main(argv=None) -> int:
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
               "gguf": gguf.name, "servers": names, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "requests_per_stream": args.requests_per_stream,
+              "repeats": args.repeats,
               "weight_dtype": args.weight_dtype, "threads": args.threads, "levels": [],
               "openmp": {k: v for k, v in with_openmp_defaults(dict(os.environ)).items() if k in OPENMP_ENV}} | code_version()
     servers = {}
@@ -338,32 +350,58 @@ def write_report(out: Path, result: dict) -> None:
     print(text)
 
 
+def ratios_to_llama(servers: dict, names: list[str]) -> dict:
+    """Ours over llama.cpp in one round of a level: output tok/s, and TPOT as llama.cpp's over ours."""
+    base, out = servers.get("llama.cpp"), {}
+    if base:
+        for n in names:
+            if n == "llama.cpp":
+                continue
+            s = servers[n]
+            out[f"{n}_tok_s"] = s["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
+            out[f"{n}_tpot"] = base["tpot_p50_s"] / s["tpot_p50_s"] if base["tpot_p50_s"] and s["tpot_p50_s"] else None
+    return out
+
+
+def combine_rounds(level: int, rounds: list[dict]) -> dict:
+    """A level over its rounds: each server's figures as the median round's (by output tok/s), each ratio's
+    median with the lowest and highest round (`ratio_ranges`), and every round kept."""
+    import statistics
+
+    servers = {}
+    for n in rounds[0]["servers"]:
+        by_rate = sorted(rounds, key=lambda r: r["servers"][n]["output_tok_s"])
+        servers[n] = by_rate[(len(by_rate) - 1) // 2]["servers"][n]
+    keys = rounds[0]["ratios"].keys()
+    vals = {k: [r["ratios"][k] for r in rounds if r["ratios"].get(k) is not None] for k in keys}
+    return {"level": level, "servers": servers,
+            "ratios": {k: statistics.median(v) if v else None for k, v in vals.items()},
+            "ratio_ranges": {k: [min(v), max(v)] if v else None for k, v in vals.items()}, "rounds": rounds}
+
+
 async def _measure(args, names, servers, prompts, result) -> None:
     targets = {n: LlamaTarget(servers[n].url) if n == "llama.cpp" else HttpSseTarget(servers[n].http_url)
                for n in names}
     try:
         for n in names:  # warm-up: one request each
             await run_level(targets[n], prompts, 1, 1, 8)
-        for level in args.levels:
-            entry = {"level": level, "servers": {}, "records": {}}
-            for n in names:
-                recs, wall = await run_level(targets[n], prompts, level, args.requests_per_stream, args.output_tokens)
-                entry["servers"][n] = s = summarize(recs, wall)
-                entry["records"][n] = [asdict(r) for r in recs]
-                print(f"[peers] level {level:>2} {n:<10} {s['output_tok_s']:7.1f} tok/s  TTFT p50 "
-                      f"{_f(s['ttft_p50_s'], '.3f')} s p95 {_f(s['ttft_p95_s'], '.3f')} s  TPOT p50 "
-                      f"{_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} ms  ok {s['ok']}/{s['requests']}", flush=True)
-            base = entry["servers"].get("llama.cpp")
-            entry["ratios"] = {}
-            if base:
-                for n in names:
-                    if n == "llama.cpp":
-                        continue
-                    s = entry["servers"][n]
-                    entry["ratios"][f"{n}_tok_s"] = s["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
-                    entry["ratios"][f"{n}_tpot"] = (base["tpot_p50_s"] / s["tpot_p50_s"]
-                                                    if base["tpot_p50_s"] and s["tpot_p50_s"] else None)
-            result["levels"].append(entry)
+        per_level: dict[int, list[dict]] = {lv: [] for lv in args.levels}
+        for rnd in range(args.repeats):
+            # The servers' order turns each round, so that none always runs first or right after another.
+            order = names[rnd % len(names):] + names[: rnd % len(names)]
+            for level in args.levels:
+                entry = {"round": rnd, "order": order, "servers": {}, "records": {}}
+                for n in order:
+                    recs, wall = await run_level(targets[n], prompts, level, args.requests_per_stream, args.output_tokens)
+                    entry["servers"][n] = s = summarize(recs, wall)
+                    entry["records"][n] = [asdict(r) for r in recs]
+                    print(f"[peers] round {rnd + 1}/{args.repeats} level {level:>2} {n:<10} {s['output_tok_s']:7.1f} tok/s"
+                          f"  TTFT p50 {_f(s['ttft_p50_s'], '.3f')} s p95 {_f(s['ttft_p95_s'], '.3f')} s  TPOT p50 "
+                          f"{_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} ms  ok {s['ok']}/{s['requests']}",
+                          flush=True)
+                entry["ratios"] = ratios_to_llama(entry["servers"], names)
+                per_level[level].append(entry)
+        result["levels"] = [combine_rounds(lv, rounds) for lv, rounds in per_level.items()]
     finally:
         for t in targets.values():
             await t.close()
