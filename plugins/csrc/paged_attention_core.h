@@ -16,6 +16,8 @@ namespace morphserve_cpu {
 namespace attn {
 
 
+constexpr int64_t kMaxHalfHeadDim = 512;  // the fp16 pool's staging buffer for a new key (rope_and_write)
+
 // One layer's keys and values in every segment: slot s of segment i holds [KVH, D] elements at k[i] + s*KVH*D,
 // fp32 or fp16 (the pool's dtype; fp16 halves the bytes a decode step reads and each block's memory; the
 // arithmetic is fp32 either way: fp16 widens exactly on load and the new token's K/V round to nearest on store).
@@ -44,6 +46,10 @@ inline LayerKV layer_kv(at::TensorList segments, int64_t layer, const char* op) 
   TORCH_CHECK(s0.scalar_type() == at::kFloat || s0.scalar_type() == at::kHalf, op,
               ": fp32 or fp16 KV segments expected, got ", s0.scalar_type());
   kv.half = s0.scalar_type() == at::kHalf;
+  // Checked here, before any write: rope_and_write stages an fp16 pool's new key in a stack buffer, and it runs
+  // inside the fused layer's parallel region, where nothing may throw.
+  TORCH_CHECK(!kv.half || kv.head_dim <= kMaxHalfHeadDim, op, ": head_dim ", kv.head_dim, " above ",
+              kMaxHalfHeadDim, " with an fp16 pool");
   for (size_t i = 0; i < segments.size(); ++i) {
     const auto& s = segments[i];
     TORCH_CHECK(s.is_contiguous() && s.scalar_type() == s0.scalar_type() && s.dim() == 5 &&
@@ -269,8 +275,7 @@ inline void rope_and_write(const float* qkv, const float* cos, const float* sin,
     store_kv(row + (H + KVH + kvh) * D, kv.value<float>(seg) + off, D);
     return;
   }
-  float k[512];
-  TORCH_CHECK(D <= 512, "paged attention: head_dim ", D, " above 512");
+  float k[kMaxHalfHeadDim];  // head_dim checked by layer_kv
   rope(row + (H + kvh) * D, cb, sb, k, half);
   store_kv(k, kv.key<uint16_t>(seg) + off, D);
   store_kv(row + (H + KVH + kvh) * D, kv.value<uint16_t>(seg) + off, D);
