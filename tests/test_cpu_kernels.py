@@ -233,6 +233,27 @@ def test_int8_activations_fall_back_to_fp32_where_the_group_is_not_a_multiple_of
 
 
 @needs_kernels
+@pytest.mark.skipif(not {"avx512_vnni", "avx512bw"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, skinny_gemm.MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(960, 576), (44, 1536), (7, 64)])  # full tiles, a tile and a tail, tail blocks only
+def test_int4_vnni_tiles_give_the_same_bits_as_the_avx2_ones(m, n, k):
+    q, a, _ = _int4(n, k, seed=m + 1)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    previous = quant_matmul.set_int4_activations("int8"), ns.int4_vnni(-1)
+    try:
+        got = {}
+        for on in (0, 1):
+            ns.int4_vnni(on)
+            got[on] = ns.int4_linear(x, q, a, None, n, 32, skinny_gemm.MAX_ROWS)
+    finally:
+        quant_matmul.set_int4_activations(previous[0])
+        ns.int4_vnni(previous[1])
+    assert torch.equal(got[0], got[1])  # the same exact integer sums, the same converts and FMAs after them
+    with pytest.raises(RuntimeError, match="int4_vnni: 0"):
+        ns.int4_vnni(2)
+
+
+@needs_kernels
 def test_int4_activation_setting_rejects_other_widths():
     with pytest.raises(ValueError, match="int4_activations must be one of"):
         quant_matmul.set_int4_activations("int4")

@@ -208,6 +208,15 @@ int64_t int4_activation_bits(int64_t bits) {
   return previous;
 }
 
+// Lets full INT4 tiles use AVX-512 VNNI where the CPU has it (1) or not (0) when `on` >= 0; returns the setting
+// before the call. The results are bitwise the same either way (exact integer sums): this exists to measure.
+int64_t int4_vnni(int64_t on) {
+  TORCH_CHECK(on >= -1 && on <= 1, "int4_vnni: 0 (off), 1 (where the CPU has it) or -1 (read) expected, got ", on);
+  const int previous = use_vnni.load();
+  if (on >= 0) use_vnni.store(static_cast<int>(on));
+  return previous;
+}
+
 // Sets the prefill path's matmul to bf16 (1) or fp32 (0) when `on` >= 0; returns the setting before the call.
 int64_t int4_prefill_bf16(int64_t on) {
   TORCH_CHECK(on >= -1 && on <= 1, "int4_prefill_bf16: 0 (fp32), 1 (bf16) or -1 (read) expected, got ", on);
@@ -220,6 +229,7 @@ int64_t int4_prefill_bf16(int64_t on) {
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("int4_prefill_bf16(int on) -> int", int4_prefill_bf16);
+  m.def("int4_vnni(int on) -> int", int4_vnni);
   m.def("int4_activation_bits(int bits) -> int", int4_activation_bits);  // no tensors: a catch-all kernel
   m.def("int4_pack(Tensor qweight, Tensor scales_zeros, int group_size) -> (Tensor, Tensor)");
   m.def("int4_linear(Tensor input, Tensor packed, Tensor affine, Tensor? pre_scale, int out_features, int group_size, int max_skinny_rows) -> Tensor");

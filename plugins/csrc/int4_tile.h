@@ -211,6 +211,71 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
   finish_group<MT, NB>(p, b0, g, xsum, p.groups, part, tot, ldt);
 }
 
+// AVX-512 VNNI (`vpdpbusd`: 64 unsigned nibbles times 64 signed bytes, summed in fours into 16 int32 lanes) for
+// a full tile's 4 blocks, two blocks per zmm: per 32 inputs the same exact integer sums as group_q8, then the
+// same convert and FMA per block, so the results are bitwise equal to it. One row keeps the low and the high
+// nibbles' products in separate chains (the dependent dpbusd latency was what made a ymm version slower);
+// more rows have a chain each. Compiled for AVX-512 by target attribute; run only where the CPU has it.
+#define MS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+inline bool cpu_has_avx512_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// Process-wide: whether full tiles take group_q8_vnni where the CPU has it (int4_vnni op: A/B measurements).
+inline std::atomic<int> use_vnni{1};
+
+inline bool vnni_tiles() { return use_vnni.load(std::memory_order_relaxed) != 0 && cpu_has_avx512_vnni(); }
+
+template <int MT>
+MS_AVX512_VNNI inline void group_q8_vnni(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, const float* xd,
+                                         int64_t K, const float* xsum, float* tot, int64_t ldt) {
+  constexpr int NB = kTileBlocks, NZ = kTileBlocks / 2, NC = MT == 1 ? 2 : 1;
+  static_assert(kTileBlocks % 2 == 0, "two blocks per zmm");
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t qblocks = K / kQBlock;
+  __m256 part[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b) part[m][b] = _mm256_setzero_ps();
+  for (int64_t k0 = g * p.G; k0 < (g + 1) * p.G; k0 += kQBlock) {
+    __m512i acc[MT][NZ][NC];
+    for (int m = 0; m < MT; ++m)
+      for (int z = 0; z < NZ; ++z)
+        for (int c = 0; c < NC; ++c) acc[m][z][c] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k0 + kQBlock; k += 8) {
+      __m512i xe[MT], xo[MT];
+      for (int m = 0; m < MT; ++m) {
+        int32_t e, o;
+        std::memcpy(&e, xq + m * K + k, 4);
+        std::memcpy(&o, xq + m * K + k + 4, 4);
+        xe[m] = _mm512_set1_epi32(e);
+        xo[m] = _mm512_set1_epi32(o);
+      }
+      for (int z = 0; z < NZ; ++z) {
+        // blocks b0 + 2z and b0 + 2z + 1 of a full tile sit side by side in each chunk (Packed::word)
+        const __m512i v = _mm512_loadu_si512(p.word(b0 + 2 * z, k / 8));
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MT; ++m) {
+          acc[m][z][0] = _mm512_dpbusd_epi32(acc[m][z][0], lo, xe[m]);
+          acc[m][z][NC - 1] = _mm512_dpbusd_epi32(acc[m][z][NC - 1], hi, xo[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 d = _mm256_set1_ps(xd[m * qblocks + k0 / kQBlock]);
+      for (int z = 0; z < NZ; ++z) {
+        const __m512i s = NC == 2 ? _mm512_add_epi32(acc[m][z][0], acc[m][z][NC - 1]) : acc[m][z][0];
+        part[m][2 * z] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(s)), d, part[m][2 * z]);
+        part[m][2 * z + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(s, 1)), d, part[m][2 * z + 1]);
+      }
+    }
+  }
+  finish_group<MT, NB>(p, b0, g, xsum, p.groups, part, tot, ldt);
+}
+
 // All M rows of x against the NB blocks starting at b0; y columns n0 = b0 * 8 .. (the valid ones of N).
 template <int NB>
 inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, float* y, int64_t N,
@@ -221,9 +286,17 @@ inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, flo
   const int64_t K = p.K, qblocks = K / kQBlock;
   const float* x = in.xs;
   const float* xsum = in.xsum;
+  const bool vnni = in.xq != nullptr && vnni_tiles();
   for (int64_t g = 0; g < p.groups; ++g) {
     if (in.xq != nullptr) {
       int64_t m = 0;
+      if (NB == kTileBlocks && vnni) {
+        for (; m + kQRows <= M; m += kQRows)
+          group_q8_vnni<kQRows>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+        for (; m < M; ++m)
+          group_q8_vnni<1>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+        continue;
+      }
       for (; m + kQRows <= M; m += kQRows)
         group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
       for (; m < M; ++m)
