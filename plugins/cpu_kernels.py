@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp",
            CSRC / "layer_elementwise.cpp", CSRC / "decode_layer.cpp",
-           CSRC / "int8_linear.cpp"]  # int8_linear: the INT8 shared embedding / LM head table
+           CSRC / "int8_linear.cpp", CSRC / "int8_linear_q8.cpp"]  # the INT8 shared embedding / LM head table
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY_NAME = "morphserve_kernels"
 _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)

@@ -10,6 +10,11 @@ Dispatch of the linear: the C++ kernel `morphserve::int8_linear` (csrc/int8_line
 up to `skinny_gemm.MAX_ROWS` rows (decode: it reads the int8 bytes once per step, a row's result does not
 depend on its batch); otherwise (prefill-sized batches, no kernels, CUDA) the torch reference, which
 dequantizes `CHUNK_ROWS` weight rows at a time for MKL so that the transient stays small (9 MB fp32 here).
+
+Activations (`set_head_activations`, process-wide): float32 (the products above), or int8 per Q8_BLOCK inputs
+(W8A8: `morphserve::int8_linear_q8`, csrc/int8_linear_q8.cpp, AVX-512 VNNI integer dot products; its torch
+twin `reference_linear_q8` for the batches the kernel does not take). `auto`, the default, is int8 where the
+CPU runs the VNNI kernel and float32 elsewhere (there the int8 path would only be the slower torch twin).
 """
 from __future__ import annotations
 
@@ -21,6 +26,51 @@ from . import cpu_kernels, skinny_gemm
 from .quant_matmul import quantize_int8
 
 CHUNK_ROWS = 4096
+Q8_BLOCK = 64  # inputs per activation scale with int8 activations (csrc/int8_linear_q8.cpp's kQBlock)
+HEAD_ACTIVATIONS = ("auto", "int8", "float32")
+_int8_activations = False
+
+
+def q8_kernel_supported() -> bool:
+    """Whether this process can run the VNNI int8-activation kernel (built, loaded, and the CPU has it)."""
+    ns = cpu_kernels.ops()
+    return ns is not None and hasattr(ns, "int8_linear_q8_supported") and bool(ns.int8_linear_q8_supported())
+
+
+def set_head_activations(name: str) -> str:
+    """Process-wide: the INT8 table's linear activations (HEAD_ACTIVATIONS; auto: int8 where the VNNI kernel
+    runs, else float32); returns the previous setting, resolved."""
+    global _int8_activations
+    if name not in HEAD_ACTIVATIONS:
+        raise ValueError(f"lm_head_activations must be one of {list(HEAD_ACTIVATIONS)}, got {name!r}")
+    previous = "int8" if _int8_activations else "float32"
+    _int8_activations = name == "int8" or (name == "auto" and q8_kernel_supported())
+    return previous
+
+
+def quantize_activations(x: Tensor, block: int = Q8_BLOCK) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (int8 [M, K], fp32 scales [M, K / block]): per block absmax / 127, rounded half to even; the
+    same float ops as the kernel's quantize_row, so both give the same bytes."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)
+    a = xb.abs().amax(-1)
+    inv = torch.where(a > 0, 127 / a, torch.zeros_like(a))
+    return torch.round(xb * inv[..., None]).to(torch.int8).reshape(m, k), a / 127
+
+
+def reference_linear_q8(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """The int8-activation linear in torch: x quantized per Q8_BLOCK inputs, each block's integer dot product
+    (exact in fp32: |sum| < 2^24) times its scale, summed over blocks, times the row's scale."""
+    q, d = quantize_activations(x)
+    m, k = q.shape
+    nb = k // Q8_BLOCK
+    qb = q.reshape(m, nb, Q8_BLOCK).transpose(0, 1).float()  # [nb, M, B]
+    y = torch.empty(m, weight.shape[0], dtype=torch.float32, device=x.device)
+    for n0 in range(0, weight.shape[0], CHUNK_ROWS):
+        n1 = min(weight.shape[0], n0 + CHUNK_ROWS)
+        wb = weight[n0:n1].reshape(n1 - n0, nb, Q8_BLOCK).permute(1, 2, 0).float()  # [nb, B, n]
+        y[:, n0:n1] = (torch.bmm(qb, wb) * d.T[:, :, None]).sum(0) * scales[n0:n1].float()
+    return y
 
 
 def reference_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
@@ -37,7 +87,7 @@ def reference_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 class Int8Table:
     """int8 rows with fp32 per-row scales; `linear` for the LM head, `lookup` for the embedding."""
 
-    __slots__ = ("weight", "scales", "_cpp")
+    __slots__ = ("weight", "scales", "_cpp", "_q8")
 
     def __init__(self, weight: Tensor, scales: Tensor):
         if weight.dtype != torch.int8 or weight.dim() != 2:
@@ -47,6 +97,7 @@ class Int8Table:
         self.weight = weight.contiguous()
         self.scales = scales.to(torch.float32).contiguous()
         self._cpp = None if weight.is_cuda else cpu_kernels.ops()
+        self._q8 = self._cpp is not None and q8_kernel_supported()
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], prefix: str = "") -> "Int8Table":
@@ -66,7 +117,12 @@ class Int8Table:
 
     def linear(self, x: Tensor) -> Tensor:
         """x [M, dim] -> fp32 [M, rows]."""
-        if self._cpp is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32:
+        decode = self._cpp is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32
+        if _int8_activations and x.shape[-1] % Q8_BLOCK == 0:
+            if decode and self._q8:
+                return self._cpp.int8_linear_q8(x, self.weight, self.scales)
+            return reference_linear_q8(x, self.weight, self.scales)
+        if decode:
             return self._cpp.int8_linear(x, self.weight, self.scales)
         return reference_linear(x, self.weight, self.scales)
 

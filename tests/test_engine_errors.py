@@ -110,6 +110,8 @@ def test_bad_config_values_are_named():
         EngineConfig(fragment_dir="x", dtype="int3")
     with pytest.raises(ValueError, match="weight_dtype must be"):
         EngineConfig(fragment_dir="x", weight_dtype="int4")
+    with pytest.raises(ValueError, match="lm_head_activations must be auto, int8 or float32"):
+        EngineConfig(fragment_dir="x", lm_head_activations="int4")
     for dtype, weight_dtype in (("bfloat16", "float16"), ("float16", "float32")):
         with pytest.raises(ValueError, match=f"weight_dtype={weight_dtype} with dtype={dtype}"):
             EngineConfig(fragment_dir="x", dtype=dtype, weight_dtype=weight_dtype)

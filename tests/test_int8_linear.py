@@ -12,6 +12,14 @@ ns = cpu_kernels.ops()
 needs_kernels = pytest.mark.skipif(ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built'}")
 
 
+@pytest.fixture(autouse=True)
+def fp32_activations():
+    """These tests are about the fp32-activation path; an engine built earlier in the process may have set int8."""
+    previous = int8_linear.set_head_activations("float32")
+    yield
+    int8_linear.set_head_activations(previous)
+
+
 def table(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, Int8Table]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return w, Int8Table.from_float(w)

@@ -129,8 +129,11 @@ def _write_check(args, out: dict, ids, t0: float, name: str) -> Path:
 def head_check(args, t0: float) -> int:
     """The INT8 embedding / LM head's quality cost: perplexity with the table at full precision (stored in fp32
     and in fp16) and in INT8, with no INT4 layer and with every layer INT4 (the serving order's end), on the same
-    held-out tokens. Needs a fragment set with the head's INT8 fragment (engines.build_fragments --lm-head-int8)."""
+    held-out tokens; the INT8 head with fp32 and with int8 activations (W8A8, plugins/int8_linear). Needs a
+    fragment set with the head's INT8 fragment (engines.build_fragments --lm-head-int8)."""
     import torch
+
+    from plugins.int8_linear import set_head_activations
 
     out: dict = {"command": f"python -m tools.eval_quality --lm-head --fragment-dir {args.fragment_dir}", **code_version(),
                  "load_avg_1m_start": round(os.getloadavg()[0], 2),
@@ -144,12 +147,18 @@ def head_check(args, t0: float) -> int:
         n = model.config.num_layers
         for layers in ([], model.manifest.swap_order()[:n]) if name == "float32" else ([],):
             row = {"weight_dtype": name, "int4_layers": len(layers)}
-            for head, int8 in (("full", False), ("int8", True)):
-                row[head] = perplexity(model, ids, layers, head_int8=int8)
+            for head, int8, acts in (("full", False, "float32"), ("int8", True, "float32"), ("int8_w8a8", True, "int8")):
+                previous = set_head_activations(acts)  # the INT8 head's activations (lm_head_activations)
+                try:
+                    row[head] = perplexity(model, ids, layers, head_int8=int8)
+                finally:
+                    set_head_activations(previous)
             row["int8_vs_full_pct"] = 100 * (row["int8"] / row["full"] - 1)
+            row["int8_w8a8_vs_full_pct"] = 100 * (row["int8_w8a8"] / row["full"] - 1)
             out["runs"].append(row)
             print(f"[quality] weights {name}, {len(layers)} INT4 layers: lm_head full {row['full']:.4f}, INT8 "
-                  f"{row['int8']:.4f} ({row['int8_vs_full_pct']:+.3f}%)", flush=True)
+                  f"{row['int8']:.4f} ({row['int8_vs_full_pct']:+.3f}%), INT8 with int8 activations "
+                  f"{row['int8_w8a8']:.4f} ({row['int8_w8a8_vs_full_pct']:+.3f}%)", flush=True)
         head = out.setdefault("lm_head", {k: model.manifest.data["lm_head"].get(k) for k in ("swap_rank", "rank_profile")})
         head.setdefault("bytes", {"int8": model.head_int8.nbytes})["full_" + name] = model.head_full.nbytes
     path = _write_check(args, out, ids, t0, "lm_head.json")

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from plugins.int8_linear import set_head_activations
 from plugins.quant_matmul import set_int4_activations, set_int4_prefill
 
 from .attention import AttentionPlan, SeqSlice
@@ -46,6 +47,7 @@ class LLMEngine:
         torch.set_num_threads(config.threads())
         set_int4_activations(config.int4_activations)
         set_int4_prefill(config.int4_prefill)
+        set_head_activations(config.lm_head_activations)
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
