@@ -37,13 +37,18 @@ def q8_kernel_supported() -> bool:
     return ns is not None and hasattr(ns, "int8_linear_q8_supported") and bool(ns.int8_linear_q8_supported())
 
 
+def head_activations() -> str:
+    """The INT8 table's linear activations in force: int8 or float32."""
+    return "int8" if _int8_activations else "float32"
+
+
 def set_head_activations(name: str) -> str:
     """Process-wide: the INT8 table's linear activations (HEAD_ACTIVATIONS; auto: int8 where the VNNI kernel
     runs, else float32); returns the previous setting, resolved."""
     global _int8_activations
     if name not in HEAD_ACTIVATIONS:
         raise ValueError(f"lm_head_activations must be one of {list(HEAD_ACTIVATIONS)}, got {name!r}")
-    previous = "int8" if _int8_activations else "float32"
+    previous = head_activations()
     _int8_activations = name == "int8" or (name == "auto" and q8_kernel_supported())
     return previous
 

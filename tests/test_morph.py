@@ -187,3 +187,42 @@ def test_decode_time_pressure_swaps_only_where_a_swap_was_measured_faster(monkey
     assert run(False).swaps_down == 0
     assert run(True).swaps_down >= 1
     assert make_engine(morph_policy="balanced").morph.speedup == {}  # no SLO: nothing measured at load
+
+
+def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):
+    # Two forced swaps add two KV segments; two requests fill the base pool and spill into the first. With nothing
+    # waiting the controller restores two units at once (quiet 0 s): the top one's empty segment goes, but the
+    # next cannot drain while the requests hold the base pool. A burst then fills the draining segment too (it
+    # is the last resort for new blocks) and requests wait for KV: the restore must give way. Before, the
+    # manager waited on the drain, which a steady load never lets finish, and so could not swap down either: at
+    # pool 256 the pool stayed at 92 blocks through a 100 s burst with 30-57 requests waiting.
+    engine = make_engine(morph_policy="balanced", block_size=8, max_tokens_in_paged_kv_cache=64, force_morph="down:2@0",
+                         morph_overrides={"up_quiet_s": 0.0, "down_persist": 1000, "down_queue_wait_s": 0.0,
+                                          "layers_per_action": 2},
+                         fragment_dir=str(layer_set))
+    assert engine.settle_morph(timeout_s=120)
+    m = engine.morph
+    base, seg_a, seg_b = engine.pool.segments
+    words = " ".join(PROMPTS).split()
+    prompt = " ".join(words[: next(n for n in range(8, len(words)) if len(engine.tokenizer.encode(" ".join(words[:n]))) >= 40)])
+    outs = {f"r{i}": [] for i in range(12)}
+    for i in range(2):  # 2 x 5 blocks at prefill: the base pool's 8 and 2 of the first segment
+        engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}")
+    for _ in range(300):
+        engine.step()
+        if m.draining is seg_a:
+            break
+    assert m.draining is seg_a and seg_a.draining and len(seg_a.free) < seg_a.num_blocks  # stuck: in use
+    assert not any(o and o[-1].finished for o in outs.values())
+    assert engine.counters.swaps_up == 1 and seg_b not in engine.pool.segments
+    for i in range(2, 12):  # 10 x 5 blocks: more than the 8 + 32 of the pool
+        engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}")
+    for _ in range(5):
+        engine.step()
+        if engine.counters.restores_called_off:
+            break
+    assert engine.counters.restores_called_off == 1 and m.draining is None and not seg_a.draining
+    assert engine.num_quantized_layers() == 1 and m.swapped[-1].segment is seg_a and engine.counters.swaps_up == 1
+    engine.run_until_idle()
+    assert all(o[-1].finish_reason == "length" for o in outs.values())
+    assert not engine.check_invariants()

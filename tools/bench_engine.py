@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from engines.build_fragments import default_fragment_dir
 from plugins import cpu_kernels, skinny_gemm
 from plugins import decode_layer as fused_decode
+from plugins.int8_linear import head_activations, q8_kernel_supported
 from tools.replay.provenance import code_version, now_utc
 from trtllm_backend.config import EngineConfig
 from trtllm_backend.engine import LLMEngine
@@ -159,12 +160,26 @@ def peak_rss() -> int:
 
 def bench_policy(args, policy: str) -> dict:
     """One engine with `policy`: prefill, then per batch the decode step, its matmuls alone and the floor."""
-    morph_policy, _, activations = policy.partition("@")  # e.g. int4@float32: the INT4 kernel's activations
+    # e.g. int4@float32: the INT4 kernel's activations; int4@avx2: the kernels without AVX-512 VNNI (INT4 tiles
+    # on AVX2, the INT8 head with fp32 activations), to measure what VNNI gives in the same run
+    morph_policy, _, suffix = policy.partition("@")
+    options = [o for o in suffix.split(",") if o]
+    unknown = set(options) - {"int8", "float32", "avx2"}
+    if unknown:
+        raise SystemExit(f"--policy {policy}: unknown option(s) {sorted(unknown)} after @ (int8, float32, avx2)")
+    avx2 = "avx2" in options
+    activations = next((o for o in options if o != "avx2"), "int8")
     engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=morph_policy, max_batch_size=max(args.batches),
                                     weight_dtype=args.weight_dtype, num_threads=args.threads,
-                                    int4_activations=activations or "int8", int4_prefill=args.int4_prefill))
+                                    int4_activations=activations, int4_prefill=args.int4_prefill,
+                                    lm_head_activations="float32" if avx2 else "auto"))
+    if cpu_kernels.ops() is not None:
+        cpu_kernels.ops().int4_vnni(0 if avx2 else 1)  # process-wide, like the settings above
+    vnni = cpu_kernels.ops() is not None and bool(cpu_kernels.ops().int4_vnni(-1)) and q8_kernel_supported()  # the CPU has it
     dtype = engine.config.torch_dtype
-    print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
+    print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} "
+          f"AVX-512 VNNI tiles={'yes' if vnni else 'no'} lm_head activations={head_activations()} "
+          f"dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
           f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'} "
           f"fused decode layer={'yes' if cpu_kernels.ops() is not None and fused_decode.enabled() else 'no'}")
@@ -220,7 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     ap.add_argument("--policy", nargs="+", default=["full"],
                     help="morph policies measured in turn (full, int4, int4:N; a suffix @float32 or @int8 sets the INT4 "
-                         "kernel's activations, default int8); ratios to the first are printed")
+                         "kernel's activations, default int8; @avx2 (or @int8,avx2) runs the kernels without AVX-512 "
+                         "VNNI); ratios to the first are printed")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     ap.add_argument("--int4-prefill", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="prefill matmuls of INT4 layers (EngineConfig.int4_prefill)")

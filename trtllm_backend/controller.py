@@ -140,6 +140,7 @@ class Action:
     kind: str  # "down" or "up"
     layers: int
     reason: str
+    forced: bool = False  # from parse_forced (benchmarks, tests): carried out whatever the load
 
 
 @dataclass
@@ -160,20 +161,7 @@ class Controller:
         if not self.policy.dynamic:
             return None
         p = self.policy
-        why = []
-        # NOTE: morphing only buys KV blocks, so only a KV shortage counts as pressure. A queue that waits
-        # because an iteration is slow (or the batch is full) is not helped by quantizing, and reacting to it
-        # made the server swap down and up on every arrival.
-        kv_short = s.waiting and (s.admission_blocked or s.kv_usage >= p.down_kv_usage)
-        if kv_short and s.head_wait_s >= p.down_queue_wait_s:
-            why.append(f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})")
-        if s.new_preemptions:
-            why.append(f"{s.new_preemptions} preemption(s)")
-        # NOTE: decode time counts only where a swap was measured to make decode faster on this machine: there,
-        # morphing helps a queue that waits on slow iterations too (elsewhere it would not, see above).
-        if p.down_tpot_s and s.waiting and s.tpot_s > p.down_tpot_s and s.swap_speeds_up:
-            why.append(f"TPOT {s.tpot_s * 1e3:.1f} ms above the SLO {p.down_tpot_s * 1e3:.1f} ms with {s.waiting} "
-                       f"waiting (the next swap measured faster)")
+        why = self.pressure(s)
         if why:
             self.pressure_streak += 1
             self.last_pressure = s.now
@@ -199,6 +187,26 @@ class Controller:
             return Action("up", min(p.layers_per_action, s.int4_layers), f"quiet {quiet:.1f}s, KV usage after shrink {s.usage_after_shrink:.0%}")
         return None
 
+    def pressure(self, s: Signals) -> list[str]:
+        """Why these signals call for swapping down (empty: no pressure). No state changes: the manager also asks
+        it while a restore drains KV (a restore gives way to returning pressure, morph.py)."""
+        p = self.policy
+        why = []
+        # NOTE: morphing only buys KV blocks, so only a KV shortage counts as pressure. A queue that waits
+        # because an iteration is slow (or the batch is full) is not helped by quantizing, and reacting to it
+        # made the server swap down and up on every arrival.
+        kv_short = s.waiting and (s.admission_blocked or s.kv_usage >= p.down_kv_usage)
+        if kv_short and s.head_wait_s >= p.down_queue_wait_s:
+            why.append(f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})")
+        if s.new_preemptions:
+            why.append(f"{s.new_preemptions} preemption(s)")
+        # NOTE: decode time counts only where a swap was measured to make decode faster on this machine: there,
+        # morphing helps a queue that waits on slow iterations too (elsewhere it would not, see above).
+        if p.down_tpot_s and s.waiting and s.tpot_s > p.down_tpot_s and s.swap_speeds_up:
+            why.append(f"TPOT {s.tpot_s * 1e3:.1f} ms above the SLO {p.down_tpot_s * 1e3:.1f} ms with {s.waiting} "
+                       f"waiting (the next swap measured faster)")
+        return why
+
 
 def parse_forced(spec: str, source: str = "MORPHSERVE_FORCE_MORPH") -> dict[int, Action]:
     """"down:2@5,up:2@40": forced actions at given engine iterations (EngineConfig.force_morph, or the
@@ -210,7 +218,7 @@ def parse_forced(spec: str, source: str = "MORPHSERVE_FORCE_MORPH") -> dict[int,
             kind, _, n = what.partition(":")
             if kind not in ("down", "up"):
                 raise ValueError
-            out[int(at)] = Action(kind, int(n or 1), f"forced by {source} at iteration {at}")
+            out[int(at)] = Action(kind, int(n or 1), f"forced by {source} at iteration {at}", forced=True)
         except ValueError:
             raise ValueError(f"{source}: cannot parse {part!r} (expected down:K@ITER or up:K@ITER)") from None
     return out

@@ -382,6 +382,7 @@ class LLMEngine:
             kv_grows=c.kv_grows,
             kv_shrinks=c.kv_shrinks,
             swap_failures=c.swap_failures,
+            restores_called_off=c.restores_called_off,
             invariant_violations=c.invariant_violations,
             memory_budget_bytes=self.morph.account.budget,
             memory_used_bytes=self.morph.account.used,

@@ -84,6 +84,8 @@ class TritonMetrics:
                                  ("grow", "shrink"))
         self.resizes = {k: _Counter(m) for k, m in resizes.items()}
         self.swap_failures = _Counter(self._single("morphserve_swap_failures_total", "Failed layer swaps", counter))
+        self.restores_called_off = _Counter(self._single(
+            "morphserve_restores_called_off_total", "Restores given up while draining KV because pressure returned", counter))
         self.invariant_violations = _Counter(self._single(
             "morphserve_invariant_violations_total", "Broken engine invariants seen (one per line per iteration)", counter))
 
@@ -143,6 +145,7 @@ class TritonMetrics:
         self.resizes["grow"].advance(stats.kv_grows)
         self.resizes["shrink"].advance(stats.kv_shrinks)
         self.swap_failures.advance(stats.swap_failures)
+        self.restores_called_off.advance(stats.restores_called_off)
         self.invariant_violations.advance(stats.invariant_violations)
         if stats.swaps_timed < self._swaps_seen:  # a new engine counts from zero again
             self._swaps_seen = 0
