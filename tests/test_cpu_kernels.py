@@ -234,7 +234,7 @@ def test_int8_activations_fall_back_to_fp32_where_the_group_is_not_a_multiple_of
 
 @needs_kernels
 @pytest.mark.skipif(not {"avx512_vnni", "avx512bw"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512 VNNI")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, skinny_gemm.MAX_ROWS])
+@pytest.mark.parametrize("m", [4, 5, 9, skinny_gemm.MAX_ROWS])  # VNNI from 4 rows (kVnniMinRows)
 @pytest.mark.parametrize("n,k", [(960, 576), (44, 1536), (7, 64)])  # full tiles, a tile and a tail, tail blocks only
 def test_int4_vnni_tiles_give_the_same_bits_as_the_avx2_ones(m, n, k):
     q, a, _ = _int4(n, k, seed=m + 1)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from engines.build_fragments import default_fragment_dir
 from plugins import cpu_kernels, skinny_gemm
 from plugins import decode_layer as fused_decode
-from plugins.int8_linear import head_activations, q8_kernel_supported
+from plugins.int8_linear import head_activations, q8_kernel_supported, set_head_activations
 from tools.replay.provenance import code_version, now_utc
 from trtllm_backend.config import EngineConfig
 from trtllm_backend.engine import LLMEngine
@@ -98,32 +98,49 @@ def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8) -> float:
     return t
 
 
-def fused_ab(engine: LLMEngine, batch: int, steps: int = 10) -> tuple[float, float]:
-    """Median decode step (s) per-op and fused, alternating step by step in one engine so that the machine's
-    drift hits both (MORPHSERVE_FUSED_DECODE is read per step)."""
+def alternating_ab(engine: LLMEngine, batch: int, use, steps: int = 10) -> tuple[float, float]:
+    """Median decode step (s) under setting A and under B, alternating step by step in one engine so that the
+    machine's drift hits both; `use(flag)` switches to A (False) or B (True) and back to the default (None)."""
     for i in range(batch):
         engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking",
                            SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True), lambda o: None)
     engine.step()
     while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
         engine.step()
-    before = os.environ.get("MORPHSERVE_FUSED_DECODE")
-    times: dict[str, list[float]] = {"0": [], "1": []}
+    times: dict[bool, list[float]] = {False: [], True: []}
     try:
         for rep in range(steps + 1):
-            for use in ("0", "1"):
-                os.environ["MORPHSERVE_FUSED_DECODE"] = use
+            for flag in (False, True):
+                use(flag)
                 t = time.perf_counter()
                 engine.step()
                 if rep:  # the first pair warms up
-                    times[use].append(time.perf_counter() - t)
+                    times[flag].append(time.perf_counter() - t)
     finally:
-        if before is None:
+        use(None)
+        engine.abort_all()
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def fused_switch():
+    """A: the per-op decode, B: the fused decode call (MORPHSERVE_FUSED_DECODE is read per step); None: as before."""
+    before = os.environ.get("MORPHSERVE_FUSED_DECODE")
+
+    def use(flag: bool | None) -> None:
+        if flag is not None:
+            os.environ["MORPHSERVE_FUSED_DECODE"] = "1" if flag else "0"
+        elif before is None:
             os.environ.pop("MORPHSERVE_FUSED_DECODE", None)
         else:
             os.environ["MORPHSERVE_FUSED_DECODE"] = before
-        engine.abort_all()
-    return statistics.median(times["0"]), statistics.median(times["1"])
+    return use
+
+
+def use_vnni(flag: bool | None) -> None:
+    """A: the kernels without AVX-512 VNNI (AVX2 INT4 tiles, the INT8 head on fp32 activations), B: with it."""
+    on = flag is None or flag
+    cpu_kernels.ops().int4_vnni(1 if on else 0)
+    set_head_activations("auto" if on else "float32")
 
 
 def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
@@ -203,9 +220,16 @@ def bench_policy(args, policy: str) -> dict:
         rows["fused_ab"] = []
         print(f"[bench] fused decode A/B, steps alternating: {'batch':>5} {'per-op ms':>10} {'fused ms':>9} {'per-op/fused':>13}")
         for b in args.batches:
-            per_op, fused = fused_ab(engine, b)
+            per_op, fused = alternating_ab(engine, b, fused_switch())
             rows["fused_ab"].append({"batch": b, "per_op_step_s": per_op, "fused_step_s": fused})
             print(f"[bench] {'':>40} {b:>5} {per_op * 1e3:10.2f} {fused * 1e3:9.2f} {per_op / fused:13.3f}")
+    if args.vnni_ab and not avx2 and vnni:
+        rows["vnni_ab"] = []
+        print(f"[bench] AVX-512 VNNI A/B, steps alternating: {'batch':>5} {'AVX2 ms':>10} {'VNNI ms':>9} {'AVX2/VNNI':>13}")
+        for b in args.batches:
+            plain, fast = alternating_ab(engine, b, use_vnni, steps=20)
+            rows["vnni_ab"].append({"batch": b, "avx2_step_s": plain, "vnni_step_s": fast})
+            print(f"[bench] {'':>40} {b:>5} {plain * 1e3:10.2f} {fast * 1e3:9.2f} {plain / fast:13.3f}")
     if morph_policy == "full":
         f32, bf16 = matmuls_alone(engine, 1, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 1, torch.bfloat16, F.linear)
         f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 16, torch.bfloat16, F.linear)
@@ -242,6 +266,9 @@ def main(argv=None) -> int:
                     help="prefill matmuls of INT4 layers (EngineConfig.int4_prefill)")
     ap.add_argument("--fused-ab", action="store_true",
                     help="also time decode steps with the fused decode call off and on, alternating step by step")
+    ap.add_argument("--vnni-ab", action="store_true",
+                    help="also time decode steps without and with the AVX-512 VNNI kernels (INT4 tiles, W8A8 head), "
+                         "alternating step by step (where the CPU has VNNI)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--json", help="also write the results here")

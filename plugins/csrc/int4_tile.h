@@ -228,7 +228,13 @@ inline bool cpu_has_avx512_vnni() {
 // Process-wide: whether full tiles take group_q8_vnni where the CPU has it (int4_vnni op: A/B measurements).
 inline std::atomic<int> use_vnni{1};
 
-inline bool vnni_tiles() { return use_vnni.load(std::memory_order_relaxed) != 0 && cpu_has_avx512_vnni(); }
+// Below this many rows the AVX2 loop is kept: in the engine (2 threads, weights from memory) the VNNI tiles
+// were 5-6% slower at 1-2 rows and 3% faster at 4 (alternating steps), 1.23-1.33x at 8-32 (bench_engine --vnni-ab).
+constexpr int64_t kVnniMinRows = 4;
+
+inline bool vnni_tiles(int64_t M) {
+  return M >= kVnniMinRows && use_vnni.load(std::memory_order_relaxed) != 0 && cpu_has_avx512_vnni();
+}
 
 template <int MT>
 MS_AVX512_VNNI inline void group_q8_vnni(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, const float* xd,
@@ -286,7 +292,7 @@ inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, flo
   const int64_t K = p.K, qblocks = K / kQBlock;
   const float* x = in.xs;
   const float* xsum = in.xsum;
-  const bool vnni = in.xq != nullptr && vnni_tiles();
+  const bool vnni = in.xq != nullptr && vnni_tiles(M);
   for (int64_t g = 0; g < p.groups; ++g) {
     if (in.xq != nullptr) {
       int64_t m = 0;
