@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_features.h"
 #include "cpu_tile.h"
 
 namespace morphserve_cpu {
@@ -216,14 +217,6 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
 // same convert and FMA per block, so the results are bitwise equal to it. One row keeps the low and the high
 // nibbles' products in separate chains (the dependent dpbusd latency was what made a ymm version slower);
 // more rows have a chain each. Compiled for AVX-512 by target attribute; run only where the CPU has it.
-#define MS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
-
-inline bool cpu_has_avx512_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
 
 // Process-wide: whether full tiles take group_q8_vnni where the CPU has it (int4_vnni op: A/B measurements).
 inline std::atomic<int> use_vnni{1};

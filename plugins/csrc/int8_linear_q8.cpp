@@ -30,22 +30,17 @@
 #include <cstdint>
 #include <vector>
 
-#define MS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#include "cpu_features.h"
 
 namespace {
+
+using morphserve_cpu::cpu_has_avx512_vnni;
 
 constexpr int64_t kQBlock = 64;  // inputs per activation scale: one zmm of bytes (+0.10% perplexity, per row +0.75%)
 constexpr int64_t kRowTile = 4;  // rows of x per tile (16 accumulators of 32 registers at 4 columns)
 constexpr int64_t kColTile = 4;  // weight rows per reduction tree
 constexpr int64_t kBlockCols = 8;  // weight rows per task unit: 8 streams prefetched ahead, as int8_linear.cpp
 constexpr int64_t kPrefetchBlocks = 4;
-
-bool cpu_has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
 
 // Row x [K] to int8 blocks: q [K], d [K / kQBlock], and each block's 16 lane starts -128 * (sum of the lane's
 // 4 inputs) into init [K / kQBlock * 16]. Scalar on purpose: the same float ops as the torch reference
@@ -71,7 +66,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* init)
 }
 
 // The 4 columns' lane sums, one fixed tree: halves of 512 bits added, then pairwise within 128-bit lanes.
-MS_AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+MS_AVX512_VNNI inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
   const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
   const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
@@ -90,7 +85,7 @@ struct Quantized {
 // MT rows of x (from row m0) against NT (<= kColTile groups of 4) weight rows from w; y at y[m * ldy + n].
 // `ahead`: the weight rows read kPrefetchBlocks blocks later, prefetched a line per row per block step.
 template <int MT, int NT>
-MS_AVX512 inline void tile(const Quantized& x, int64_t m0, const int8_t* w, int64_t nvalid, const float* scale,
+MS_AVX512_VNNI inline void tile(const Quantized& x, int64_t m0, const int8_t* w, int64_t nvalid, const float* scale,
                            float* y, int64_t ldy, const int8_t* ahead) {
   static_assert(NT % kColTile == 0, "columns come in groups of the reduction tree");
   const int64_t K = x.K, blocks = K / kQBlock;
@@ -124,7 +119,7 @@ MS_AVX512 inline void tile(const Quantized& x, int64_t m0, const int8_t* w, int6
 }
 
 // All M rows against weight rows [n0, n0 + nt), nt <= kBlockCols.
-MS_AVX512 void rows_times_block(const Quantized& x, int64_t M, const int8_t* w, int64_t nt, const float* scale,
+MS_AVX512_VNNI void rows_times_block(const Quantized& x, int64_t M, const int8_t* w, int64_t nt, const float* scale,
                                 float* y, int64_t ldy, const int8_t* ahead) {
   if (M == 1 && nt == kBlockCols) {
     tile<1, kBlockCols>(x, 0, w, nt, scale, y, ldy, ahead);
@@ -146,7 +141,7 @@ MS_AVX512 void rows_times_block(const Quantized& x, int64_t M, const int8_t* w, 
 }
 
 at::Tensor int8_linear_q8(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(cpu_has_vnni(), "int8_linear_q8: this CPU lacks AVX-512 VNNI (use int8_linear, fp32 activations)");
+  TORCH_CHECK(cpu_has_avx512_vnni(), "int8_linear_q8: this CPU lacks AVX-512 VNNI (use int8_linear, fp32 activations)");
   TORCH_CHECK(input.scalar_type() == at::kFloat, "int8_linear_q8: fp32 input expected, got ", input.scalar_type());
   TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear_q8: int8 weight expected, got ", weight.scalar_type());
   TORCH_CHECK(scales.scalar_type() == at::kFloat, "int8_linear_q8: fp32 scales expected, got ", scales.scalar_type());
@@ -186,7 +181,7 @@ at::Tensor int8_linear_q8(const at::Tensor& input, const at::Tensor& weight, con
   return y;
 }
 
-bool int8_linear_q8_supported() { return cpu_has_vnni(); }
+bool int8_linear_q8_supported() { return cpu_has_avx512_vnni(); }
 
 }  // namespace
 

@@ -1,0 +1,16 @@
+// Instruction sets beyond the library's AVX2 baseline, chosen at run time: a kernel compiled for AVX-512 VNNI
+// (through MS_AVX512_VNNI on its functions) runs only where cpu_has_avx512_vnni() says so.
+#pragma once
+
+#define MS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+namespace morphserve_cpu {
+
+inline bool cpu_has_avx512_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+}  // namespace morphserve_cpu
