@@ -135,7 +135,9 @@ def head_check(args, t0: float) -> int:
 
     from plugins.int8_linear import set_head_activations
 
-    out: dict = {"command": f"python -m tools.eval_quality --lm-head --fragment-dir {args.fragment_dir}", **code_version(),
+    frag = Path(args.fragment_dir).resolve()
+    shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag  # results name no path of this machine
+    out: dict = {"command": f"python -m tools.eval_quality --lm-head --fragment-dir {shown}", **code_version(),
                  "load_avg_1m_start": round(os.getloadavg()[0], 2),
                  "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
                               "seq_len": args.seq_len}, "runs": []}
