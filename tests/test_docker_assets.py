@@ -35,6 +35,7 @@ EXPORTED = {
     "morphserve_layer_swaps_total": {"direction": {"down", "up"}},
     "morphserve_kv_resizes_total": {"direction": {"grow", "shrink"}},
     "morphserve_swap_failures_total": {},
+    "morphserve_restores_called_off_total": {},
     "morphserve_invariant_violations_total": {},
 }
 HISTOGRAMS = {"morphserve_time_to_first_token_seconds", "morphserve_time_per_output_token_seconds",
