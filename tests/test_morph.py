@@ -127,6 +127,7 @@ def test_peak_rss_stays_within_budget_plus_fixed_overhead():
         for p in PROMPTS:
             e.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True), lambda o: None)
         e.run_until_idle()
+        assert e.settle_morph(timeout_s=120)  # the last restores stage in the background: let them land too
         # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the (big) pytest parent.
         peak = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
         print(json.dumps(dict(fixed=fixed, peak=peak, budget=e.morph.account.budget, swaps=e.counters.swaps_down,
