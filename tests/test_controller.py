@@ -142,3 +142,25 @@ def test_tpot_hovering_at_the_slo_does_not_flap():
     # TPOT alternates just above and below the SLO with a queue: pressure never persists two iterations in a row
     trace = [dict(waiting=2, tpot=0.051 if i % 2 else 0.049, faster=True) for i in range(400)]
     assert run(c, trace) == (0, [])
+
+
+def test_quiet_spell_counts_from_the_end_of_an_action_in_flight():
+    """A swap down whose staging outlasts up_quiet_s must not be undone the moment it lands: the iterations the
+    manager spends on it (`hold`) restart the quiet spell, and pressure seen meanwhile counts as pressure."""
+    c = Controller(parse_policy("balanced", 30))
+    t = 0.0
+    for i in range(2):  # a burst: the swap down is decided at the second pressured iteration
+        a = c.decide(signals(t, waiting=8, blocked=True, usage=0.97), i)
+        t += 0.05
+    assert a and a.kind == "down"
+    for _ in range(60):  # 3 s of staging, longer than up_quiet_s, with the burst going on for the first second
+        c.hold(signals(t, waiting=8 if t < 1.0 else 0, blocked=t < 1.0, usage=0.97 if t < 1.0 else 0.1, int4=2))
+        t += 0.05
+    landed = t
+    restore_at = None
+    for i in range(100):
+        if c.decide(signals(t, usage=0.1, after=0.15, int4=2), 100 + i):
+            restore_at = t
+            break
+        t += 0.05
+    assert restore_at is not None and restore_at - landed >= c.policy.up_quiet_s - 1e-9

@@ -5,8 +5,8 @@ the morph manager measured the next unit's quantized form faster than its full o
 batch): TPOT above `down_tpot_s` with requests waiting.
 
 Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
-and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the last
-action) before a restore; with the TPOT pressure on, a restore also waits for TPOT at or below
+and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the end of
+the last action, `hold`) before a restore; with the TPOT pressure on, a restore also waits for TPOT at or below
 `up_tpot_ratio * down_tpot_s`. Restores undo the most recent swap first.
 """
 from __future__ import annotations
@@ -186,6 +186,15 @@ class Controller:
             self.last_action = s.now
             return Action("up", min(p.layers_per_action, s.int4_layers), f"quiet {quiet:.1f}s, KV usage after shrink {s.usage_after_shrink:.0%}")
         return None
+
+    def hold(self, s: Signals) -> None:
+        """An iteration with an action in flight (staging, draining): the manager decides nothing then, but the
+        quiet spell a restore waits for restarts at the action's end, and pressure seen meanwhile counts.
+        Why: staging the fp16 LM head takes 0.3-1.6 s on a busy core; counted from the decision, a restore could
+        follow a swap down the moment it landed, mid-burst (pool 256, conversation trace, 4aa09d0)."""
+        self.last_action = s.now
+        if self.policy.dynamic and self.pressure(s):
+            self.last_pressure = s.now
 
     def pressure(self, s: Signals) -> list[str]:
         """Why these signals call for swapping down (empty: no pressure). No state changes: the manager also asks

@@ -275,6 +275,8 @@ class MorphManager:
             action = self.controller.decide(signals, iteration)
             if action:
                 self._accept(action)
+        elif self.quantizable:
+            self.controller.hold(signals)
         acted = changed or self.draining is not None
         if self.job is None and self.draining is None:
             if self.pending_down:
