@@ -34,11 +34,14 @@ def test_skinny_linear_matches_linear(m, n, k):
 
 
 @needs_kernels
-def test_skinny_linear_rows_do_not_depend_on_the_batch():
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(9, 576, generator=g), torch.randn(100, 576, generator=g)
+@pytest.mark.parametrize("m", [3, 4, 7, 9, 32])  # 4-row tiles (AVX-512VL), then 2-row and 1-row ones
+@pytest.mark.parametrize("half", [False, True])
+def test_skinny_linear_rows_do_not_depend_on_the_batch(m, half):
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 576, generator=g), torch.randn(100, 576, generator=g)
+    w = w.half() if half else w
     batched = ns.skinny_linear(x, w)
-    for i in range(9):
+    for i in range(m):
         assert torch.equal(ns.skinny_linear(x[i : i + 1], w), batched[i : i + 1])
 
 

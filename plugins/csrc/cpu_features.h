@@ -3,6 +3,8 @@
 #pragma once
 
 #define MS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+// AVX-512VL for its 32 ymm registers; `flatten` inlines the (AVX2) tiles a function calls so they use them.
+#define MS_AVX512VL_FLAT __attribute__((target("avx512f,avx512vl"), flatten))
 
 namespace morphserve_cpu {
 
@@ -10,6 +12,11 @@ inline bool cpu_has_avx512_vnni() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
                          __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+inline bool cpu_has_avx512_vl() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
   return ok;
 }
 
