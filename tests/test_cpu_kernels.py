@@ -66,6 +66,28 @@ def test_skinny_linear_rejects_bad_input(bad, match):
 
 
 @needs_kernels
+@pytest.mark.skipif(not {"avx512f", "avx512vl"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512VL")
+@pytest.mark.parametrize("m", [4, 7, 32])
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("n,k", [(960, 576), (13, 1536), (7, 13)])  # full blocks, a block and a tail, tail only
+def test_dense_wide_tiles_give_the_same_bits_as_the_avx2_ones(m, half, n, k):
+    g = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    w = w.half() if half else w
+    previous = ns.dense_wide_tile(-1)
+    try:
+        got = {}
+        for on in (0, 1):
+            ns.dense_wide_tile(on)
+            got[on] = ns.skinny_linear(x, w)
+    finally:
+        ns.dense_wide_tile(previous)
+    assert torch.equal(got[0], got[1])  # the same per-output sums in the same order, only more rows per tile
+    with pytest.raises(RuntimeError, match="dense_wide_tile: 0"):
+        ns.dense_wide_tile(2)
+
+
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 33])
 @pytest.mark.parametrize("n,k", [(960, 576), (13, 576), (600, 100), (7, 13), (1, 8)])
 def test_fp16_weights_give_exactly_the_fp32_result_of_their_widened_values(m, n, k):

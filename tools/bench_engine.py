@@ -136,10 +136,12 @@ def fused_switch():
     return use
 
 
-def use_vnni(flag: bool | None) -> None:
-    """A: the kernels without AVX-512 VNNI (AVX2 INT4 tiles, the INT8 head on fp32 activations), B: with it."""
+def use_avx512(flag: bool | None) -> None:
+    """A: the kernels without AVX-512 (AVX2 INT4 tiles, the INT8 head on fp32 activations, 2-row dense tiles),
+    B: with it (VNNI INT4 tiles, the W8A8 head, 4-row dense tiles)."""
     on = flag is None or flag
     cpu_kernels.ops().int4_vnni(1 if on else 0)
+    cpu_kernels.ops().dense_wide_tile(1 if on else 0)
     set_head_activations("auto" if on else "float32")
 
 
@@ -177,8 +179,8 @@ def peak_rss() -> int:
 
 def bench_policy(args, policy: str) -> dict:
     """One engine with `policy`: prefill, then per batch the decode step, its matmuls alone and the floor."""
-    # e.g. int4@float32: the INT4 kernel's activations; int4@avx2: the kernels without AVX-512 VNNI (INT4 tiles
-    # on AVX2, the INT8 head with fp32 activations), to measure what VNNI gives in the same run
+    # e.g. int4@float32: the INT4 kernel's activations; int4@avx2: the kernels without AVX-512 (INT4 tiles on
+    # AVX2, the INT8 head with fp32 activations, 2-row dense tiles), to measure what AVX-512 gives in the same run
     morph_policy, _, suffix = policy.partition("@")
     options = [o for o in suffix.split(",") if o]
     unknown = set(options) - {"int8", "float32", "avx2"}
@@ -190,8 +192,9 @@ def bench_policy(args, policy: str) -> dict:
                                     weight_dtype=args.weight_dtype, num_threads=args.threads,
                                     int4_activations=activations, int4_prefill=args.int4_prefill,
                                     lm_head_activations="float32" if avx2 else "auto"))
-    if cpu_kernels.ops() is not None:
-        cpu_kernels.ops().int4_vnni(0 if avx2 else 1)  # process-wide, like the settings above
+    if cpu_kernels.ops() is not None:  # process-wide, like the settings above
+        cpu_kernels.ops().int4_vnni(0 if avx2 else 1)
+        cpu_kernels.ops().dense_wide_tile(0 if avx2 else 1)
     vnni = cpu_kernels.ops() is not None and bool(cpu_kernels.ops().int4_vnni(-1)) and q8_kernel_supported()  # the CPU has it
     dtype = engine.config.torch_dtype
     print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} "
@@ -223,12 +226,12 @@ def bench_policy(args, policy: str) -> dict:
             per_op, fused = alternating_ab(engine, b, fused_switch())
             rows["fused_ab"].append({"batch": b, "per_op_step_s": per_op, "fused_step_s": fused})
             print(f"[bench] {'':>40} {b:>5} {per_op * 1e3:10.2f} {fused * 1e3:9.2f} {per_op / fused:13.3f}")
-    if args.vnni_ab and not avx2 and vnni:
-        rows["vnni_ab"] = []
-        print(f"[bench] AVX-512 VNNI A/B, steps alternating: {'batch':>5} {'AVX2 ms':>10} {'VNNI ms':>9} {'AVX2/VNNI':>13}")
+    if args.avx512_ab and not avx2 and vnni:
+        rows["avx512_ab"] = []
+        print(f"[bench] AVX-512 A/B, steps alternating:      {'batch':>5} {'AVX2 ms':>10} {'AVX-512 ms':>9} {'AVX2/AVX-512':>13}")
         for b in args.batches:
-            plain, fast = alternating_ab(engine, b, use_vnni, steps=20)
-            rows["vnni_ab"].append({"batch": b, "avx2_step_s": plain, "vnni_step_s": fast})
+            plain, fast = alternating_ab(engine, b, use_avx512, steps=20)
+            rows["avx512_ab"].append({"batch": b, "avx2_step_s": plain, "avx512_step_s": fast})
             print(f"[bench] {'':>40} {b:>5} {plain * 1e3:10.2f} {fast * 1e3:9.2f} {plain / fast:13.3f}")
     if morph_policy == "full":
         f32, bf16 = matmuls_alone(engine, 1, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 1, torch.bfloat16, F.linear)
@@ -260,15 +263,15 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="+", default=["full"],
                     help="morph policies measured in turn (full, int4, int4:N; a suffix @float32 or @int8 sets the INT4 "
                          "kernel's activations, default int8; @avx2 (or @int8,avx2) runs the kernels without AVX-512 "
-                         "VNNI); ratios to the first are printed")
+                         "(VNNI INT4 tiles, W8A8 head, 4-row dense tiles); ratios to the first are printed")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     ap.add_argument("--int4-prefill", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="prefill matmuls of INT4 layers (EngineConfig.int4_prefill)")
     ap.add_argument("--fused-ab", action="store_true",
                     help="also time decode steps with the fused decode call off and on, alternating step by step")
-    ap.add_argument("--vnni-ab", action="store_true",
-                    help="also time decode steps without and with the AVX-512 VNNI kernels (INT4 tiles, W8A8 head), "
-                         "alternating step by step (where the CPU has VNNI)")
+    ap.add_argument("--avx512-ab", "--vnni-ab", dest="avx512_ab", action="store_true",
+                    help="also time decode steps without and with the AVX-512 kernels (VNNI INT4 tiles, W8A8 head, "
+                         "4-row dense tiles), alternating step by step (where the CPU has AVX-512 VNNI)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--json", help="also write the results here")

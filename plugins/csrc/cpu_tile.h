@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -75,6 +76,9 @@ constexpr int kTileM = 2;  // rows of x per register tile
 // Rows of x per register tile where AVX-512VL gives the compiler 32 ymm registers: 24 accumulators + 4 rows of
 // x + 1 weight load. Each weight vector loaded then feeds 4 FMAs instead of 2.
 constexpr int kWideTileM = 4;
+// Process-wide: whether the dense kernels take the 4-row tiles where the CPU has AVX-512VL (dense_wide_tile op:
+// A/B measurements; the results are the same bits either way).
+inline std::atomic<int> use_wide_tile{1};
 
 // The same row loop for weights already in fp32 (fp32 storage, or fp16 widened into a buffer) from
 // kWideTileM rows on: the tiles are inlined into this AVX-512VL function, so they get its registers. The
@@ -94,7 +98,7 @@ template <int NT, typename W>
 inline void rows_times_block(const float* x, int64_t M, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t K,
                              const W* ahead = nullptr) {
   if constexpr (sizeof(W) == sizeof(float)) {
-    if (M >= kWideTileM && cpu_has_avx512_vl()) return rows_times_block_wide<NT>(x, M, w, ldw, y, ldy, K);
+    if (M >= kWideTileM && use_wide_tile.load(std::memory_order_relaxed) && cpu_has_avx512_vl()) return rows_times_block_wide<NT>(x, M, w, ldw, y, ldy, K);
   }
   int64_t m = 0;
   for (; m + kTileM <= M; m += kTileM, ahead = nullptr) tile<kTileM, NT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K, ahead);

@@ -52,7 +52,18 @@ at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight) {
   return y;
 }
 
+// Lets the dense kernels use the 4-row AVX-512VL tiles where the CPU has them (1) or not (0) when `on` >= 0;
+// returns the setting before the call. The results are bitwise the same either way: this exists to measure.
+int64_t dense_wide_tile(int64_t on) {
+  TORCH_CHECK(on >= -1 && on <= 1, "dense_wide_tile: 0 (off), 1 (where the CPU has it) or -1 (read) expected, got ", on);
+  const int previous = morphserve_cpu::use_wide_tile.load();
+  if (on >= 0) morphserve_cpu::use_wide_tile.store(static_cast<int>(on));
+  return previous;
+}
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(morphserve, m) { m.def("skinny_linear(Tensor input, Tensor weight) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(morphserve, m) {
+  m.def("skinny_linear(Tensor input, Tensor weight) -> Tensor");
+  m.def("dense_wide_tile(int on) -> int", dense_wide_tile);  // no tensors: a catch-all kernel
+}
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("skinny_linear", skinny_linear); }
