@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "cpu_tile.h"
+#include "int8_checks.h"
 
 namespace {
 
@@ -64,17 +65,7 @@ void rows_times_block(const float* x, int64_t M, int64_t K, const W* w, int64_t 
 }
 
 at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat, "int8_linear: fp32 input expected, got ", input.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: int8 weight expected, got ", weight.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kFloat, "int8_linear: fp32 scales expected, got ", scales.scalar_type());
-  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(),
-              "int8_linear: CPU tensors expected");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "int8_linear: contiguous 2-D weight [N, K] expected");
-  TORCH_CHECK(input.dim() == 2, "int8_linear: 2-D input [M, K] expected, got ", input.dim(), " dims");
-  TORCH_CHECK(input.size(1) == weight.size(1), "int8_linear: input has ", input.size(1), " features, weight expects ",
-              weight.size(1));
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == weight.size(0) && scales.is_contiguous(),
-              "int8_linear: contiguous scales [", weight.size(0), "] expected, got ", scales.sizes());
+  morphserve_cpu::check_int8_linear_args("int8_linear", input, weight, scales);
   const at::Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor y = at::empty({M, N}, x.options());

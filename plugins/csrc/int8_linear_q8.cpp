@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "int8_checks.h"
 
 namespace {
 
@@ -142,19 +143,9 @@ MS_AVX512_VNNI void rows_times_block(const Quantized& x, int64_t M, const int8_t
 
 at::Tensor int8_linear_q8(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(cpu_has_avx512_vnni(), "int8_linear_q8: this CPU lacks AVX-512 VNNI (use int8_linear, fp32 activations)");
-  TORCH_CHECK(input.scalar_type() == at::kFloat, "int8_linear_q8: fp32 input expected, got ", input.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear_q8: int8 weight expected, got ", weight.scalar_type());
-  TORCH_CHECK(scales.scalar_type() == at::kFloat, "int8_linear_q8: fp32 scales expected, got ", scales.scalar_type());
-  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(),
-              "int8_linear_q8: CPU tensors expected");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "int8_linear_q8: contiguous 2-D weight [N, K] expected");
-  TORCH_CHECK(input.dim() == 2, "int8_linear_q8: 2-D input [M, K] expected, got ", input.dim(), " dims");
-  TORCH_CHECK(input.size(1) == weight.size(1), "int8_linear_q8: input has ", input.size(1), " features, weight expects ",
-              weight.size(1));
+  morphserve_cpu::check_int8_linear_args("int8_linear_q8", input, weight, scales);
   TORCH_CHECK(weight.size(1) % kQBlock == 0, "int8_linear_q8: the feature count ", weight.size(1),
               " must be a multiple of ", kQBlock);
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == weight.size(0) && scales.is_contiguous(),
-              "int8_linear_q8: contiguous scales [", weight.size(0), "] expected, got ", scales.sizes());
   const at::Tensor xin = input.contiguous();
   const int64_t M = xin.size(0), K = xin.size(1), N = weight.size(0), blocks = K / kQBlock;
   at::Tensor y = at::empty({M, N}, xin.options());
