@@ -193,8 +193,7 @@ def bench_policy(args, policy: str) -> dict:
                                     int4_activations=activations, int4_prefill=args.int4_prefill,
                                     lm_head_activations="float32" if avx2 else "auto"))
     if cpu_kernels.ops() is not None:  # process-wide, like the settings above
-        cpu_kernels.ops().int4_vnni(0 if avx2 else 1)
-        cpu_kernels.ops().dense_wide_tile(0 if avx2 else 1)
+        use_avx512(not avx2)
     vnni = cpu_kernels.ops() is not None and bool(cpu_kernels.ops().int4_vnni(-1)) and q8_kernel_supported()  # the CPU has it
     dtype = engine.config.torch_dtype
     print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} "
