@@ -115,11 +115,11 @@ def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs():
 
 # ---- INT4 linear ----------------------------------------------------------------------------------------------
 
-def _int4(n: int, k: int, seed: int = 0):
+def _int4(n: int, k: int, seed: int = 0, group: int = 32):
     """Random INT4 weight: (packed, affine) as the kernel holds it, and the fp32 reference weight."""
     g = torch.Generator().manual_seed(seed)
-    t = quant_matmul.quantize_int4(torch.randn(n, k, generator=g) * 0.02)
-    packed, affine = ns.int4_pack(t["qweight"], t["scales_zeros"].transpose(0, 1).contiguous(), 32)
+    t = quant_matmul.quantize_int4(torch.randn(n, k, generator=g) * 0.02, group)
+    packed, affine = ns.int4_pack(t["qweight"], t["scales_zeros"].transpose(0, 1).contiguous(), group)
     return packed, affine, quant_matmul.dequantize_int4(t)
 
 
@@ -259,17 +259,18 @@ def test_int8_activations_fall_back_to_fp32_where_the_group_is_not_a_multiple_of
 
 @needs_kernels
 @pytest.mark.skipif(not {"avx512_vnni", "avx512bw"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512 VNNI")
-@pytest.mark.parametrize("m", [4, 5, 9, skinny_gemm.MAX_ROWS])  # VNNI from 4 rows (kVnniMinRows)
+@pytest.mark.parametrize("m", [4, 5, 6, 7, 9, skinny_gemm.MAX_ROWS])  # VNNI from 4 rows (kVnniMinRows); passes of 4 rows, then 1-3
 @pytest.mark.parametrize("n,k", [(960, 576), (44, 1536), (7, 64)])  # full tiles, a tile and a tail, tail blocks only
-def test_int4_vnni_tiles_give_the_same_bits_as_the_avx2_ones(m, n, k):
-    q, a, _ = _int4(n, k, seed=m + 1)
+@pytest.mark.parametrize("group", [32, 64])  # one or two activation blocks (kQBlock) per weight group
+def test_int4_vnni_tiles_give_the_same_bits_as_the_avx2_ones(m, n, k, group):
+    q, a, _ = _int4(n, k, seed=m + 1, group=group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     previous = quant_matmul.set_int4_activations("int8"), ns.int4_vnni(-1)
     try:
         got = {}
         for on in (0, 1):
             ns.int4_vnni(on)
-            got[on] = ns.int4_linear(x, q, a, None, n, 32, skinny_gemm.MAX_ROWS)
+            got[on] = ns.int4_linear(x, q, a, None, n, group, skinny_gemm.MAX_ROWS)
     finally:
         quant_matmul.set_int4_activations(previous[0])
         ns.int4_vnni(previous[1])

@@ -229,50 +229,73 @@ inline bool vnni_tiles(int64_t M) {
   return M >= kVnniMinRows && use_vnni.load(std::memory_order_relaxed) != 0 && cpu_has_avx512_vnni();
 }
 
+// Two blocks' 8 bf16 values each (`a` for block b, `b` for block b + 1) as one zmm of floats.
+MS_AVX512_VNNI inline __m512 bf16x16(const uint16_t* a, const uint16_t* b) {
+  const __m256i v = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// MT rows of int8 x against a full tile's 4 blocks, over all groups, into tot [MT, ldt]. Per group it forms the
+// same exact integer sums as group_q8 and applies the same fp32 operations per output in the same order
+// (convert, FMA with d, then finish_group's two FMAs), so the results are bitwise equal to the AVX2 path. The
+// running totals stay in zmm registers (two blocks per register) for the whole row pass, where group by group
+// they went through memory (a load and a store per row and block and group, which cost more than the dpbusd).
 template <int MT>
-MS_AVX512_VNNI inline void group_q8_vnni(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, const float* xd,
-                                         int64_t K, const float* xsum, float* tot, int64_t ldt) {
-  constexpr int NB = kTileBlocks, NZ = kTileBlocks / 2, NC = MT == 1 ? 2 : 1;
+MS_AVX512_VNNI inline void rows_q8_vnni(const Packed& p, int64_t b0, const int8_t* xq, const float* xd, int64_t K,
+                                        const float* xsum, float* tot, int64_t ldt) {
+  constexpr int NZ = kTileBlocks / 2, NC = MT == 1 ? 2 : 1;
   static_assert(kTileBlocks % 2 == 0, "two blocks per zmm");
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
   const int64_t qblocks = K / kQBlock;
-  __m256 part[MT][NB];
+  __m512 total[MT][NZ];
   for (int m = 0; m < MT; ++m)
-    for (int b = 0; b < NB; ++b) part[m][b] = _mm256_setzero_ps();
-  for (int64_t k0 = g * p.G; k0 < (g + 1) * p.G; k0 += kQBlock) {
-    __m512i acc[MT][NZ][NC];
+    for (int z = 0; z < NZ; ++z) total[m][z] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 part[MT][NZ];
     for (int m = 0; m < MT; ++m)
-      for (int z = 0; z < NZ; ++z)
-        for (int c = 0; c < NC; ++c) acc[m][z][c] = _mm512_setzero_si512();
-    for (int64_t k = k0; k < k0 + kQBlock; k += 8) {
-      __m512i xe[MT], xo[MT];
-      for (int m = 0; m < MT; ++m) {
-        int32_t e, o;
-        std::memcpy(&e, xq + m * K + k, 4);
-        std::memcpy(&o, xq + m * K + k + 4, 4);
-        xe[m] = _mm512_set1_epi32(e);
-        xo[m] = _mm512_set1_epi32(o);
+      for (int z = 0; z < NZ; ++z) part[m][z] = _mm512_setzero_ps();
+    for (int64_t k0 = g * p.G; k0 < (g + 1) * p.G; k0 += kQBlock) {
+      __m512i acc[MT][NZ][NC];
+      for (int m = 0; m < MT; ++m)
+        for (int z = 0; z < NZ; ++z)
+          for (int c = 0; c < NC; ++c) acc[m][z][c] = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k0 + kQBlock; k += 8) {
+        for (int z = 0; z < NZ; ++z) {
+          // blocks b0 + 2z and b0 + 2z + 1 of a full tile sit side by side in each chunk (Packed::word)
+          const __m512i v = _mm512_loadu_si512(p.word(b0 + 2 * z, k / 8));
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          for (int m = 0; m < MT; ++m) {
+            int32_t e, o;
+            std::memcpy(&e, xq + m * K + k, 4);
+            std::memcpy(&o, xq + m * K + k + 4, 4);
+            acc[m][z][0] = _mm512_dpbusd_epi32(acc[m][z][0], lo, _mm512_set1_epi32(e));
+            acc[m][z][NC - 1] = _mm512_dpbusd_epi32(acc[m][z][NC - 1], hi, _mm512_set1_epi32(o));
+          }
+        }
       }
-      for (int z = 0; z < NZ; ++z) {
-        // blocks b0 + 2z and b0 + 2z + 1 of a full tile sit side by side in each chunk (Packed::word)
-        const __m512i v = _mm512_loadu_si512(p.word(b0 + 2 * z, k / 8));
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        for (int m = 0; m < MT; ++m) {
-          acc[m][z][0] = _mm512_dpbusd_epi32(acc[m][z][0], lo, xe[m]);
-          acc[m][z][NC - 1] = _mm512_dpbusd_epi32(acc[m][z][NC - 1], hi, xo[m]);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 d = _mm512_set1_ps(xd[m * qblocks + k0 / kQBlock]);
+        for (int z = 0; z < NZ; ++z) {
+          const __m512i s = NC == 2 ? _mm512_add_epi32(acc[m][z][0], acc[m][z][NC - 1]) : acc[m][z][0];
+          part[m][z] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, part[m][z]);
         }
       }
     }
-    for (int m = 0; m < MT; ++m) {
-      const __m256 d = _mm256_set1_ps(xd[m * qblocks + k0 / kQBlock]);
-      for (int z = 0; z < NZ; ++z) {
-        const __m512i s = NC == 2 ? _mm512_add_epi32(acc[m][z][0], acc[m][z][NC - 1]) : acc[m][z][0];
-        part[m][2 * z] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(s)), d, part[m][2 * z]);
-        part[m][2 * z + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(s, 1)), d, part[m][2 * z + 1]);
+    for (int z = 0; z < NZ; ++z) {  // finish_group, two blocks at a time: tot += part * s + sum(x_g) * (z - 8 s)
+      const uint16_t* a0 = p.block_affine(b0 + 2 * z, g);
+      const uint16_t* a1 = p.block_affine(b0 + 2 * z + 1, g);
+      const __m512 s = bf16x16(a0, a1), c = _mm512_sub_ps(bf16x16(a0 + kLanes, a1 + kLanes), _mm512_mul_ps(eight, s));
+      for (int m = 0; m < MT; ++m) {
+        total[m][z] = _mm512_fmadd_ps(part[m][z], s, total[m][z]);
+        total[m][z] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * p.groups + g]), c, total[m][z]);
       }
     }
   }
-  finish_group<MT, NB>(p, b0, g, xsum, p.groups, part, tot, ldt);
+  for (int m = 0; m < MT; ++m)
+    for (int z = 0; z < NZ; ++z) _mm512_storeu_ps(tot + m * ldt + 2 * z * kLanes, total[m][z]);
 }
 
 // All M rows of x against the NB blocks starting at b0; y columns n0 = b0 * 8 .. (the valid ones of N).
@@ -285,34 +308,35 @@ inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, flo
   const int64_t K = p.K, qblocks = K / kQBlock;
   const float* x = in.xs;
   const float* xsum = in.xsum;
-  const bool vnni = in.xq != nullptr && vnni_tiles(M);
-  for (int64_t g = 0; g < p.groups; ++g) {
-    if (in.xq != nullptr) {
-      int64_t m = 0;
-      if (NB == kTileBlocks && vnni) {
+  if (NB == kTileBlocks && in.xq != nullptr && vnni_tiles(M)) {
+    int64_t m = 0;
+    for (; m + kQRows <= M; m += kQRows)
+      rows_q8_vnni<kQRows>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+    if (M - m == 3) rows_q8_vnni<3>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+    else if (M - m == 2) rows_q8_vnni<2>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+    else if (M - m == 1) rows_q8_vnni<1>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+  } else {
+    for (int64_t g = 0; g < p.groups; ++g) {
+      if (in.xq != nullptr) {
+        int64_t m = 0;
         for (; m + kQRows <= M; m += kQRows)
-          group_q8_vnni<kQRows>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+          group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
         for (; m < M; ++m)
-          group_q8_vnni<1>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+          group_q8<1, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
         continue;
       }
-      for (; m + kQRows <= M; m += kQRows)
-        group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
-      for (; m < M; ++m)
-        group_q8<1, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
-      continue;
+      if (M <= kRegRows) {
+        if (M == 2) group_regs<2, NB>(p, b0, g, x, K, xsum, tot, ldt);
+        else group_regs<1, NB>(p, b0, g, x, K, xsum, tot, ldt);
+        continue;
+      }
+      unpack_group<NB>(p, b0, g, buf.data());
+      int64_t m = 0;
+      for (; m + kBufRows <= M; m += kBufRows)
+        group_buf<kBufRows, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
+      if (M - m == 2) group_buf<2, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
+      else if (M - m == 1) group_buf<1, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
     }
-    if (M <= kRegRows) {
-      if (M == 2) group_regs<2, NB>(p, b0, g, x, K, xsum, tot, ldt);
-      else group_regs<1, NB>(p, b0, g, x, K, xsum, tot, ldt);
-      continue;
-    }
-    unpack_group<NB>(p, b0, g, buf.data());
-    int64_t m = 0;
-    for (; m + kBufRows <= M; m += kBufRows)
-      group_buf<kBufRows, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
-    if (M - m == 2) group_buf<2, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
-    else if (M - m == 1) group_buf<1, NB>(p, b0, g, buf.data(), x + m * K, K, xsum + m * p.groups, tot + m * ldt, ldt);
   }
   const int64_t n0 = b0 * kLanes, nt = std::min<int64_t>(ldt, N - n0);
   for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, tot + m * ldt, sizeof(float) * nt);
