@@ -9,8 +9,9 @@ step's matmuls alone (the engine's own operators: dense kernel or INT4, and the 
 overhead shows as a ratio, and for dense weights the same matmuls with `F.linear` (MKL), so the C++ decode
 kernel's gain shows too. `--fused-ab` adds per batch the step with the fused decode call off and on,
 alternating in one engine (plugins/decode_layer.py). With several policies (e.g. `--policy full int4`) a
-last table gives each one's tok/s per batch over the first's. Numbers are medians of one run on a shared
-machine.
+last table gives each one's tok/s per batch over the first's; those run one after the other, so the VM's drift
+between them enters the ratio. `--interleave ROUNDS` then loads every policy at once and times their steps
+taking turns, which keeps the drift out. Numbers are medians of one run on a shared machine.
 """
 from __future__ import annotations
 
@@ -88,11 +89,7 @@ def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype | None = Non
 
 
 def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8) -> float:
-    for i in range(batch):
-        engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking", SamplingParams(max_tokens=steps + 8, ignore_eos=True), lambda o: None)
-    engine.step()  # takes the new requests
-    while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
-        engine.step()
+    start_decode(engine, batch, max_tokens=steps + 8)
     t = median_time(engine.step, steps, warmup=2)
     engine.abort_all()
     return t
@@ -101,12 +98,7 @@ def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8) -> float:
 def alternating_ab(engine: LLMEngine, batch: int, use, steps: int = 10) -> tuple[float, float]:
     """Median decode step (s) under setting A and under B, alternating step by step in one engine so that the
     machine's drift hits both; `use(flag)` switches to A (False) or B (True) and back to the default (None)."""
-    for i in range(batch):
-        engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking",
-                           SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True), lambda o: None)
-    engine.step()
-    while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
-        engine.step()
+    start_decode(engine, batch, max_tokens=2 * steps + 8)
     times: dict[bool, list[float]] = {False: [], True: []}
     try:
         for rep in range(steps + 1):
@@ -177,10 +169,9 @@ def peak_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 
 
-def bench_policy(args, policy: str) -> dict:
-    """One engine with `policy`: prefill, then per batch the decode step, its matmuls alone and the floor."""
-    # e.g. int4@float32: the INT4 kernel's activations; int4@avx2: the kernels without AVX-512 (INT4 tiles on
-    # AVX2, the INT8 head with fp32 activations, 2-row dense tiles), to measure what AVX-512 gives in the same run
+def make_engine(args, policy: str) -> LLMEngine:
+    """An engine for `policy` (a morph policy with an optional @ suffix, see --policy), its process-wide kernel
+    settings applied."""
     morph_policy, _, suffix = policy.partition("@")
     options = [o for o in suffix.split(",") if o]
     unknown = set(options) - {"int8", "float32", "avx2"}
@@ -194,6 +185,78 @@ def bench_policy(args, policy: str) -> dict:
                                     lm_head_activations="float32" if avx2 else "auto"))
     if cpu_kernels.ops() is not None:  # process-wide, like the settings above
         use_avx512(not avx2)
+    return engine
+
+
+def start_decode(engine: LLMEngine, batch: int, max_tokens: int) -> None:
+    """`batch` requests admitted and prefilled, so the engine's next steps are pure decode steps."""
+    for i in range(batch):
+        engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking",
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), lambda o: None)
+    engine.step()  # takes the new requests
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
+        engine.step()
+
+
+def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
+    """Every policy's decode step per batch with all the engines loaded at once, taking turns step by step, and
+    the read bandwidth measured before each round: the VM's drift, which made sequential runs read 1.56x and
+    1.98x for the same batch-1 ratio, hits every policy alike. Per round the ratio of medians to the first
+    policy; reported as the median round with the lowest and highest."""
+    if any("@" in p for p in args.policy):
+        raise SystemExit("--interleave: the @ suffixes set process-wide kernel settings, which engines taking turns "
+                         "would share; give plain policies")
+    engines = {p: make_engine(args, p) for p in args.policy}
+    first = args.policy[0]
+    out = {"rounds": rounds, "steps_per_round": steps, "batches": []}
+    print(f"[bench] interleaved: {', '.join(args.policy)} loaded at once, taking turns step by step; "
+          f"{rounds} rounds of {steps} steps each per batch; ratios: median round [lowest, highest]")
+    print(f"{'batch':>5} {'GB/s':>5} " + " ".join(f"{p + ' ms':>12}" for p in args.policy) + " "
+          + " ".join(f"{p + '/' + first + ' tok/s':>26}" for p in args.policy[1:]) + "  of floor (batch 1)")
+    with torch.inference_mode():
+        for b in args.batches:
+            for e in engines.values():
+                start_decode(e, b, max_tokens=rounds * (steps + 1) + 8)
+            per_round, bws = [], []
+            try:
+                for _ in range(rounds):
+                    bws.append(read_bandwidth())
+                    times = {p: [] for p in engines}
+                    for s in range(steps + 1):
+                        for p, e in engines.items():
+                            t = time.perf_counter()
+                            e.step()
+                            if s:  # the first turn warms up
+                                times[p].append(time.perf_counter() - t)
+                    per_round.append({p: statistics.median(ts) for p, ts in times.items()})
+            finally:
+                for e in engines.values():
+                    e.abort_all()
+            bw = statistics.median(bws)
+            row = {"batch": b, "bandwidth_GBps": [x / 1e9 for x in bws],
+                   "step_s": {p: statistics.median(r[p] for r in per_round) for p in engines},
+                   "tok_s_over_first": {}}
+            for p in args.policy[1:]:
+                ratios = sorted(r[first] / r[p] for r in per_round)
+                row["tok_s_over_first"][p] = {"median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]}
+            if b == 1:
+                row["share_of_floor"] = {p: engines[p].model.weights_nbytes / bw / row["step_s"][p] for p in engines}
+            out["batches"].append(row)
+            ratio_txt = " ".join(f"{r['median']:12.2f} [{r['low']:.2f}, {r['high']:.2f}]".rjust(26)
+                                 for r in row["tok_s_over_first"].values())
+            floor_txt = ("  " + ", ".join(f"{p} {v:.0%}" for p, v in row["share_of_floor"].items())) if b == 1 else ""
+            print(f"{b:>5} {bw / 1e9:5.1f} " + " ".join(f"{row['step_s'][p] * 1e3:12.2f}" for p in args.policy) + " "
+                  + ratio_txt + floor_txt)
+    return out
+
+
+def bench_policy(args, policy: str) -> dict:
+    """One engine with `policy`: prefill, then per batch the decode step, its matmuls alone and the floor."""
+    # e.g. int4@float32: the INT4 kernel's activations; int4@avx2: the kernels without AVX-512 (INT4 tiles on
+    # AVX2, the INT8 head with fp32 activations, 2-row dense tiles), to measure what AVX-512 gives in the same run
+    morph_policy, _, suffix = policy.partition("@")
+    avx2 = "avx2" in suffix.split(",")
+    engine = make_engine(args, policy)
     vnni = cpu_kernels.ops() is not None and bool(cpu_kernels.ops().int4_vnni(-1)) and q8_kernel_supported()  # the CPU has it
     dtype = engine.config.torch_dtype
     print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} "
@@ -273,6 +336,9 @@ def main(argv=None) -> int:
                          "4-row dense tiles), alternating step by step (where the CPU has AVX-512 VNNI)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="with several policies: also load all of them at once and time their decode steps taking "
+                         "turns, ROUNDS rounds per batch (ratios with their range; the batch-1 share of the floor)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     # What a committed result must say: the command, the code and the machine's load when it ran.
@@ -286,6 +352,9 @@ def main(argv=None) -> int:
     if len(results) > 1:
         rows["by_policy"] = results
         rows["tok_s_over_first"] = compare(results)
+    if args.interleave and len(results) > 1:
+        gc.collect()
+        rows["interleaved"] = interleaved_policies(args, args.interleave)
     swaps = swap_latencies(args.fragment_dir, args.weight_dtype, threads=args.threads)
     if swaps:
         prep = [p for p, _ in swaps]

@@ -1,0 +1,34 @@
+"""tools/bench_engine.py's interleaved policy comparison, on the real fragment set (tiny: 2 rounds of 2 steps)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine_fixtures import fragment_dir
+from tools import bench_engine
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(fragment_dir=str(fragment_dir()), batches=[1, 3], policy=["full", "int4"], threads=1,
+                int4_prefill="auto", weight_dtype="float16")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_interleaved_policies_time_every_policy_per_round_and_give_the_ratio_with_its_range():
+    out = bench_engine.interleaved_policies(_args(), rounds=2, steps=2)
+    assert [row["batch"] for row in out["batches"]] == [1, 3]
+    for row in out["batches"]:
+        assert set(row["step_s"]) == {"full", "int4"} and all(t > 0 for t in row["step_s"].values())
+        assert len(row["bandwidth_GBps"]) == 2
+        r = row["tok_s_over_first"]["int4"]
+        assert r["low"] <= r["median"] <= r["high"]
+        assert list(row["tok_s_over_first"]) == ["int4"]  # no ratio of the first policy to itself
+    b1 = out["batches"][0]
+    assert set(b1["share_of_floor"]) == {"full", "int4"} and all(0 < v for v in b1["share_of_floor"].values())
+    assert "share_of_floor" not in out["batches"][1]
+
+
+def test_interleaving_refuses_policies_whose_suffix_sets_process_wide_kernel_settings():
+    with pytest.raises(SystemExit, match="process-wide"):
+        bench_engine.interleaved_policies(_args(policy=["full", "int4@avx2"]), rounds=1)
