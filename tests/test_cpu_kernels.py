@@ -459,7 +459,7 @@ def _decode_plan(pool, tables, lens):
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_fused_decode_attention_equals_rope_then_pool_write_then_attention(monkeypatch, kv_dtype):
-    from trtllm_backend.layers import apply_rope
+    from plugins.elementwise import apply_rope
 
     lens, layer = [1, 5, 17, 9, 30], 1
     H, KVH, D = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim

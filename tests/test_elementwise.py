@@ -128,3 +128,39 @@ def test_dispatch_uses_the_kernels_for_fp32_cpu_rows(monkeypatch):
     elementwise.add_rms_norm(x, x, w, EPS)
     elementwise.silu_mul(torch.randn(2, 32))
     assert calls == ["rms_norm", "add_rms_norm", "silu_mul"]
+
+
+# (tokens, q|k heads, head_dim, extra v columns): SmolLM2's prefill chunk (9 + 3 heads of 64), a head whose half
+# is not a multiple of 8, one token.
+ROPE_SHAPES = [(512, 12, 64, 192), (7, 3, 12, 24), (1, 2, 64, 0)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("t,heads,d,extra", ROPE_SHAPES)
+def test_rope_heads_gives_torchs_bits(t, heads, d, extra):
+    g = torch.Generator().manual_seed(t + heads + d)
+    qkv = torch.randn(t, heads * d + extra, generator=g) * 4
+    angle = torch.randn(t, d // 2, generator=g) * 30
+    cos, sin = angle.cos(), angle.sin()
+    got = ns.rope_heads(qkv, cos, sin, heads)
+    ref = elementwise.apply_rope(qkv[:, : heads * d].view(t, heads, d), cos, sin)
+    assert got.shape == (t, heads, d)
+    assert torch.equal(got, ref)  # no FMA contraction: each product and sum rounded as torch rounds it
+
+
+def test_rope_heads_falls_back_to_torch_off_the_kernels():
+    qkv = torch.randn(4, 3 * 8 + 8, dtype=torch.float64)
+    cos, sin = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    ref = elementwise.apply_rope(qkv[:, :24].view(4, 3, 8), cos, sin)
+    assert torch.equal(elementwise.rope_heads(qkv, cos, sin, 3, 8), ref)
+
+
+@needs_kernels
+def test_rope_heads_names_a_bad_input():
+    qkv, cos = torch.randn(4, 32), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="do not fit a row"):
+        ns.rope_heads(qkv, cos, cos, 5)  # 5 heads of 8 > 32 columns
+    with pytest.raises(RuntimeError, match="must both be"):
+        ns.rope_heads(qkv, cos, torch.randn(3, 4), 2)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ns.rope_heads(qkv.double(), cos, cos, 2)

@@ -12,7 +12,7 @@ import torch
 
 from plugins import decode_layer as fused
 from plugins import skinny_gemm
-from plugins.elementwise import add_rms_norm, rms_norm, silu_mul
+from plugins.elementwise import add_rms_norm, rms_norm, rope_heads, silu_mul
 from plugins.paged_attention import decode_attention_qkv, paged_attention
 
 from .attention import AttentionPlan
@@ -65,13 +65,6 @@ def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, weight_dty
     )
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE (HF layout). x [T, heads, D], cos/sin [T, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class LayerSlot:
     """One decoder layer position; `weights` is the fragment it is bound to now."""
 
@@ -114,7 +107,7 @@ class LayerSlot:
         c, T = self.config, qkv.shape[0]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         # q and k heads are adjacent in the fused output: one RoPE over both.
-        qk = apply_rope(qkv[:, : q_dim + kv_dim].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+        qk = rope_heads(qkv, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, q_dim + kv_dim :].view(T, c.num_kv_heads, c.head_dim)
         return paged_attention(q, k.to(plan.kv_dtype), v.to(plan.kv_dtype), self.index, plan).reshape(T, q_dim)

@@ -1,5 +1,5 @@
-// The row-wise ops of a decoder layer on AVX2 CPUs: RMSNorm (also fused with the residual add before it) and
-// SwiGLU's silu(gate) * up over the fused gate|up projection.
+// The row-wise ops of a decoder layer on AVX2 CPUs: RMSNorm (also fused with the residual add before it),
+// SwiGLU's silu(gate) * up over the fused gate|up projection, and RoPE on the q|k heads of a prefill chunk.
 //
 // Why: at decode sizes (a few rows of 576 or 1536 floats) torch's versions cost 5-35 us each in dispatch and
 // intra-op threading for well under 1 us of arithmetic, and a decode step runs ~150 of them. Each op here is
@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <cmath>
 #include <tuple>
@@ -88,15 +90,58 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Half-split RoPE of one head: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s], each product and sum rounded on its own
+// (no FMA contraction: the same fp32 ops as torch's apply_rope, so the prefill path keeps its bits).
+__attribute__((optimize("fp-contract=off"))) void rope_head(const float* x, const float* c, const float* s, float* out,
+                                                              int64_t half) {
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+    const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+    _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+    _mm256_storeu_ps(out + half + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+  }
+  for (; i < half; ++i) {
+    const float a = x[i] * c[i], b = x[half + i] * s[i], d = x[half + i] * c[i], e = x[i] * s[i];
+    out[i] = a - b;
+    out[half + i] = d + e;
+  }
+}
+
+// qkv [T, >= heads * D] (the fused projection: its first `heads` heads are q then k), cos/sin [T, D/2] ->
+// those heads RoPE'd, [T, heads, D]. One pass where torch's version makes seven (4 multiplies, a subtract, an
+// add and a cat over the chunk): at a 512-token prefill chunk those took ~11% of the prefill.
+at::Tensor rope_heads(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  check_rows(qkv, "rope_heads", "qkv");
+  check_rows(cos, "rope_heads", "cos");
+  check_rows(sin, "rope_heads", "sin");
+  const int64_t T = qkv.size(0), half = cos.size(1), D = 2 * half;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T, "rope_heads: cos ", cos.sizes(), " and sin ", sin.sizes(),
+              " must both be [", T, ", D/2]");
+  TORCH_CHECK(heads > 0 && heads * D <= qkv.size(1), "rope_heads: ", heads, " heads of ", D, " do not fit a row of ",
+              qkv.size(1));
+  const at::Tensor x = qkv.contiguous(), c = cos.contiguous(), sn = sin.contiguous();
+  at::Tensor out = at::empty({T, heads, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ld = x.size(1);
+  for_rows(T, heads * D, [&](int64_t r) {
+    for (int64_t h = 0; h < heads; ++h) rope_head(xp + r * ld + h * D, cp + r * half, sp + r * half, op + (r * heads + h) * D, half);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_heads(Tensor qkv, Tensor cos, Tensor sin, int heads) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("rope_heads", rope_heads);
 }
