@@ -115,17 +115,27 @@ def _set_kernel_setting(what: str, table: dict[str, int], name: str, op: str) ->
     return next(k for k, v in table.items() if v == previous)
 
 
-# Prefill chunks' matmul in the C++ INT4 path (plugins/csrc/int4_linear.cpp): float32, or bfloat16 inputs with
-# fp32 accumulation (MKL's bf16 GEMM, ~4.4x faster where the CPU has AVX512_BF16).
-INT4_PREFILL = {"float32": 0, "bfloat16": 1}
+# Prefill chunks' path in the C++ INT4 kernel (plugins/csrc/int4_linear.cpp): dequantize and multiply with MKL
+# in float32 or with bfloat16 inputs and fp32 accumulation (MKL's bf16 GEMM, ~4.4x faster where the CPU has
+# AVX512_BF16), or `decode`: the decode tiles, 32 rows at a time, so every prompt row gets the numerics a decode
+# row gets (int8 activations per int4_activations; on AVX-512 VNNI 1.3-1.9x faster than the bf16 GEMM at
+# 128-512 rows, docs/fused-decode.md).
+INT4_PREFILL = {"float32": 0, "bfloat16": 1, "decode": 2}
 
 
 def set_int4_prefill(name: str) -> str:
-    """Process-wide: the INT4 prefill path's matmul precision (INT4_PREFILL, or "auto": bfloat16 where the CPU
-    has native bf16 dot products, else float32); returns the previous setting. No-op without the kernels."""
+    """Process-wide: the INT4 prefill path (INT4_PREFILL, or "auto": `decode` where the CPU has AVX-512 VNNI and
+    the decode kernel's activations are int8, else bfloat16 where the CPU has native bf16 dot products, else
+    float32); returns the previous setting. Set the activations first (the engine does). No-op without kernels."""
     if name == "auto":
-        name = "bfloat16" if {"avx512_bf16", "amx_bf16"} & (cpu_kernels.cpu_flags() or set()) else "float32"
-    return _set_kernel_setting("int4_prefill", INT4_PREFILL, name, "int4_prefill_bf16")
+        flags = cpu_kernels.cpu_flags() or set()
+        ops = cpu_kernels.ops()
+        int8 = ops is not None and ops.int4_activation_bits(0) == INT4_ACTIVATIONS["int8"]
+        if int8 and {"avx512_vnni", "avx512bw"} <= flags:
+            name = "decode"
+        else:
+            name = "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+    return _set_kernel_setting("int4_prefill", INT4_PREFILL, name, "int4_prefill_mode")
 
 
 _decode_kernel_everywhere = False

@@ -208,8 +208,46 @@ def test_bf16_prefill_is_close_to_fp32_and_leaves_decode_rows_alone():
     assert torch.equal(got["bfloat16"][1], got["float32"][1])  # decode rows never take the prefill path
     with pytest.raises(ValueError, match="int4_prefill must be one of"):
         quant_matmul.set_int4_prefill("fp8")
-    with pytest.raises(RuntimeError, match="0 \\(fp32\\), 1 \\(bf16\\) or -1 \\(read\\) expected, got 2"):
-        ns.int4_prefill_bf16(2)
+    with pytest.raises(RuntimeError, match="2 \\(decode tiles\\) or -1 \\(read\\) expected, got 3"):
+        ns.int4_prefill_mode(3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+@pytest.mark.parametrize("m", [skinny_gemm.MAX_ROWS + 1, 70, 128 + 7])  # one, two and several row chunks of 32
+def test_decode_tiles_prefill_gives_each_row_the_bits_it_gets_as_a_decode_row(activations, m):
+    # Prefill mode `decode` runs the rows through the decode tiles in chunks: row r of a prompt then equals row r
+    # decoded alone (and in any decode batch: batch independence), so prompt and decode rows share numerics.
+    n, k = 960, 576
+    q, a, _ = _int4(n, k, seed=m)
+    pre = torch.rand(k, generator=torch.Generator().manual_seed(m)) + 0.5  # AWQ's pre-scale, applied in the kernel
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+    previous = quant_matmul.set_int4_activations(activations), quant_matmul.set_int4_prefill("decode")
+    try:
+        got = ns.int4_linear(x, q, a, pre, n, 32, skinny_gemm.MAX_ROWS)
+        rows = [ns.int4_linear(x[r : r + 1], q, a, pre, n, 32, skinny_gemm.MAX_ROWS) for r in (0, 31, 32, m - 1)]
+    finally:
+        quant_matmul.set_int4_activations(previous[0])
+        quant_matmul.set_int4_prefill(previous[1])
+    for r, row in zip((0, 31, 32, m - 1), rows):
+        assert torch.equal(got[r : r + 1], row), f"row {r}"
+
+
+@needs_kernels
+def test_auto_prefill_takes_the_decode_tiles_only_with_vnni_and_int8_activations():
+    flags = cpu_kernels.cpu_flags() or set()
+    vnni = {"avx512_vnni", "avx512bw"} <= flags
+    bf16 = "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+    previous = quant_matmul.set_int4_activations("int8"), quant_matmul.set_int4_prefill("float32")
+    try:
+        quant_matmul.set_int4_prefill("auto")
+        assert quant_matmul.set_int4_prefill("auto") == ("decode" if vnni else bf16)
+        quant_matmul.set_int4_activations("float32")
+        quant_matmul.set_int4_prefill("auto")
+        assert quant_matmul.set_int4_prefill("auto") == bf16  # fp32 activations: the tiles' slow path, not taken
+    finally:
+        quant_matmul.set_int4_activations(previous[0])
+        quant_matmul.set_int4_prefill(previous[1])
 
 
 @needs_kernels

@@ -36,8 +36,10 @@ class EngineConfig:
     # bytes (twice the tokens in the same memory, and in the memory a swapped layer frees) and what a decode
     # step's attention reads; K/V are rounded to fp16 when written and widened exactly when read.
     kv_cache_dtype: str = "auto"
-    # Prefill chunks' matmul in INT4 layers: bfloat16 inputs (fp32 accumulation; MKL's bf16 GEMM, ~4x faster
-    # with AVX512_BF16), float32, or auto (bfloat16 where the CPU has native bf16 dot products). Process-wide.
+    # Prefill chunks' path in INT4 layers (plugins/quant_matmul.INT4_PREFILL): decode (the decode tiles, 32 rows
+    # at a time: the numerics of decode rows, faster than the bf16 GEMM on AVX-512 VNNI), bfloat16 inputs (fp32
+    # accumulation; MKL's bf16 GEMM, ~4x faster with AVX512_BF16), float32, or auto (decode where the CPU has
+    # AVX-512 VNNI and int4_activations is int8, else bfloat16 where it has native bf16). Process-wide.
     int4_prefill: str = "auto"
     # Activations of the INT8 LM head (plugins/int8_linear.HEAD_ACTIVATIONS) once that unit is morphed: int8 per
     # 64 inputs (W8A8, AVX-512 VNNI; ~2.5x faster at 16 rows, +0.10% perplexity), float32, or auto (int8 where
@@ -72,8 +74,8 @@ class EngineConfig:
             raise ValueError(f"weight_dtype must be auto, float32 or float16, got {self.weight_dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
-        if self.int4_prefill not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"int4_prefill must be auto, float32 or bfloat16, got {self.int4_prefill!r}")
+        if self.int4_prefill not in ("auto", "decode", "float32", "bfloat16"):
+            raise ValueError(f"int4_prefill must be auto, decode, float32 or bfloat16, got {self.int4_prefill!r}")
         if self.lm_head_activations not in ("auto", "int8", "float32"):
             raise ValueError(f"lm_head_activations must be auto, int8 or float32, got {self.lm_head_activations!r}")
         if self.int4_activations not in ("int8", "float32"):

@@ -139,9 +139,12 @@ PARAMS: tuple[Param, ...] = (
           "with every layer INT4) or "
           "float32 (exact products). Prefill: int4_prefill.", one_of("int8", "float32")),
     Param("int4_prefill", "str", "auto", "engine.int4_prefill",
-          "Prefill matmuls of INT4 layers: bfloat16 inputs with fp32 accumulation (~4x faster GEMM with "
-          "AVX512_BF16; -0.09% to +0.03% perplexity), float32, or auto (bfloat16 where the CPU has native bf16).",
-          one_of("auto", "float32", "bfloat16")),
+          "Prefill path of INT4 layers: decode (the decode tiles 32 rows at a time, the numerics of decode rows; "
+          "1.3-1.9x the bf16 GEMM's speed on AVX-512 VNNI; -0.03% to +0.22% perplexity against bfloat16), "
+          "bfloat16 inputs with fp32 accumulation (~4x faster GEMM with AVX512_BF16; -0.09% to +0.03% against "
+          "float32), float32, or auto (decode where the CPU has AVX-512 VNNI and int4_activations is int8, else "
+          "bfloat16 where it has native bf16).",
+          one_of("auto", "decode", "float32", "bfloat16")),
     Param("lm_head_activations", "str", "auto", "engine.lm_head_activations",
           "Activations of the INT8 LM head once morphed: int8 per 64 inputs (AVX-512 VNNI integer dot products, "
           "~2.5x faster at 16 rows, +0.10% perplexity), float32, or auto (int8 where the CPU has AVX-512 VNNI).",
