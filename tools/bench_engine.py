@@ -31,6 +31,7 @@ from engines.build_fragments import default_fragment_dir
 from plugins import cpu_kernels, skinny_gemm
 from plugins import decode_layer as fused_decode
 from plugins.int8_linear import head_activations, q8_kernel_supported, set_head_activations
+from plugins.quant_matmul import set_int4_prefill
 from tools.replay.provenance import code_version, now_utc
 from trtllm_backend.config import EngineConfig
 from trtllm_backend.engine import LLMEngine
@@ -137,9 +138,11 @@ def use_avx512(flag: bool | None) -> None:
     set_head_activations("auto" if on else "float32")
 
 
+PREFILL_TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
+
+
 def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
-    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
-    ids = engine.tokenizer.encode(text)[:tokens]
+    ids = engine.tokenizer.encode(PREFILL_TEXT)[:tokens]
     prompt = engine.tokenizer.decode(ids)
 
     def once():
@@ -147,6 +150,35 @@ def prefill_rate(engine: LLMEngine, tokens: int = 512) -> float:
         engine.run_until_idle()
 
     return len(engine.tokenizer.encode(prompt)) / median_time(once, 3, warmup=1)
+
+
+def prefill_ab(engine: LLMEngine, modes=("bfloat16", "decode"), reps: int = 5, long: int = 512,
+               streams: int = 16, short: int = 128) -> list[dict]:
+    """Prefill tok/s of the INT4 layers' prefill paths (EngineConfig.int4_prefill), alternating pass by pass in
+    one engine: a `long`-token prompt, and `streams` prompts of `short` tokens arriving together (bench_peers'
+    shape at 16 streams)."""
+    ids = engine.tokenizer.encode(PREFILL_TEXT)
+    shapes = {f"1 x {long}": [engine.tokenizer.decode(ids[:long])],
+              f"{streams} x {short}": [engine.tokenizer.decode(ids[i : i + short]) for i in range(streams)]}
+    previous = set_int4_prefill(modes[0])
+    out = []
+    try:
+        for name, prompts in shapes.items():
+            tokens = sum(len(engine.tokenizer.encode(p)) for p in prompts)
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            for rep in range(reps + 1):
+                for m in modes:
+                    set_int4_prefill(m)
+                    t = time.perf_counter()
+                    for p in prompts:
+                        engine.add_request(p, SamplingParams(max_tokens=1), lambda o: None)
+                    engine.run_until_idle()
+                    if rep:  # the first pass of each warms up
+                        times[m].append(time.perf_counter() - t)
+            out.append({"prompts": name, "tokens": tokens, **{f"{m}_tok_s": tokens / statistics.median(ts) for m, ts in times.items()}})
+    finally:
+        set_int4_prefill(previous)
+    return out
 
 
 def swap_latencies(frag_dir: str, weight_dtype: str, layers: int = 4, threads: int | None = None) -> list[tuple[float, float]]:
@@ -295,6 +327,12 @@ def bench_policy(args, policy: str) -> dict:
             plain, fast = alternating_ab(engine, b, use_avx512, steps=20)
             rows["avx512_ab"].append({"batch": b, "avx2_step_s": plain, "avx512_step_s": fast})
             print(f"[bench] {'':>40} {b:>5} {plain * 1e3:10.2f} {fast * 1e3:9.2f} {plain / fast:13.3f}")
+    if args.prefill_ab and morph_policy != "full":
+        rows["prefill_ab"] = prefill_ab(engine)
+        for r in rows["prefill_ab"]:
+            print(f"[bench] INT4 prefill A/B, passes alternating: {r['prompts']} tokens: bfloat16 (dequantize + MKL) "
+                  f"{r['bfloat16_tok_s']:.0f} tok/s, decode tiles {r['decode_tok_s']:.0f} tok/s "
+                  f"({r['decode_tok_s'] / r['bfloat16_tok_s']:.2f}x)")
     if morph_policy == "full":
         f32, bf16 = matmuls_alone(engine, 1, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 1, torch.bfloat16, F.linear)
         f32_16, bf16_16 = matmuls_alone(engine, 16, torch.float32, skinny_gemm.linear), matmuls_alone(engine, 16, torch.bfloat16, F.linear)
@@ -336,6 +374,9 @@ def main(argv=None) -> int:
                          "4-row dense tiles), alternating step by step (where the CPU has AVX-512 VNNI)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
+    ap.add_argument("--prefill-ab", action="store_true",
+                    help="for policies with INT4 layers: also time prefill with int4_prefill bfloat16 and decode, "
+                         "alternating pass by pass (a 512-token prompt; 16 prompts of 128 tokens)")
     ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                     help="with several policies: also load all of them at once and time their decode steps taking "
                          "turns, ROUNDS rounds per batch (ratios with their range; the batch-1 share of the floor)")
