@@ -297,7 +297,7 @@ def test_int8_activations_fall_back_to_fp32_where_the_group_is_not_a_multiple_of
 
 @needs_kernels
 @pytest.mark.skipif(not {"avx512_vnni", "avx512bw"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512 VNNI")
-@pytest.mark.parametrize("m", [4, 5, 6, 7, 9, skinny_gemm.MAX_ROWS])  # VNNI from 4 rows (kVnniMinRows); passes of 4 rows, then 1-3
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 9, skinny_gemm.MAX_ROWS])  # passes of 4 rows, then of 1-3
 @pytest.mark.parametrize("n,k", [(960, 576), (44, 1536), (7, 64)])  # full tiles, a tile and a tail, tail blocks only
 @pytest.mark.parametrize("group", [32, 64])  # one or two activation blocks (kQBlock) per weight group
 def test_int4_vnni_tiles_give_the_same_bits_as_the_avx2_ones(m, n, k, group):

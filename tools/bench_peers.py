@@ -261,7 +261,7 @@ def render(result: dict) -> str:
               "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
               f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
               "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill "
-              "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, since then bf16 where the CPU has it) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
+              "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, then bf16 where the CPU has it, since commit df56b3a the decode tiles with int8 rows where it has AVX-512 VNNI) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
               "embedding / LM head in INT8 (static int4 takes every unit). KV cache: llama.cpp's default f16; ours per "
               "`kv_cache_dtype`, fp32 before commit 767b828, since then the served default fp16. OpenMP waiting of our servers: "
               + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items()) + ".", ""]

@@ -221,9 +221,11 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
 // Process-wide: whether full tiles take group_q8_vnni where the CPU has it (int4_vnni op: A/B measurements).
 inline std::atomic<int> use_vnni{1};
 
-// Below this many rows the AVX2 loop is kept: in the engine (2 threads, weights from memory) the VNNI tiles
-// were 5-6% slower at 1-2 rows and 3% faster at 4 (alternating steps), 1.23-1.33x at 8-32 (bench_engine --vnni-ab).
-constexpr int64_t kVnniMinRows = 4;
+// Below this many rows the AVX2 loop is kept. With the totals in registers (rows_q8_vnni) the VNNI pass is the
+// faster one from one row: 30-40 MB of INT4 weights streamed on one core, 1.14x at 1 row and 1.9x at 2-3 rows
+// (where the AVX2 loop reads the group once per row). The earlier VNNI tiles, which went through memory per
+// group, were 5-6% slower than AVX2 at 1-2 rows in the engine and ran from 4.
+constexpr int64_t kVnniMinRows = 1;
 
 inline bool vnni_tiles(int64_t M) {
   return M >= kVnniMinRows && use_vnni.load(std::memory_order_relaxed) != 0 && cpu_has_avx512_vnni();
