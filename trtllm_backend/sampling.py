@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from plugins.argmax import argmax_rows
+
 from .errors import InvalidRequest
 
 
@@ -87,7 +89,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     far, needed only when a row has a frequency or presence penalty."""
     logits = apply_penalties(logits, params, outputs)
     out: list[int] = []
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    greedy_ids = argmax_rows(logits).tolist()
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             out.append(greedy_ids[row])
