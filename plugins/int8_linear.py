@@ -90,19 +90,27 @@ def reference_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 
 class Int8Table:
-    """int8 rows with fp32 per-row scales; `linear` for the LM head, `lookup` for the embedding."""
+    """int8 rows with fp32 per-row scales; `linear` for the LM head, `lookup` for the embedding.
 
-    __slots__ = ("weight", "scales", "_cpp", "_q8")
+    Where the VNNI kernel runs, the bytes are held once, in its layout (`int8_pack_q8`: 16 rows interleaved per
+    4 inputs); lookups index that layout, and `weight` (the row-major int8 rows: tests, the torch twins) is
+    rebuilt from it on each read. If this process then asks for fp32 activations (lm_head_activations=float32,
+    bench A/B runs), the row-major copy that kernel needs is kept beside it from its first call (twice the bytes).
+    """
+
+    __slots__ = ("scales", "_rows", "_packed", "_cpp", "_q8", "_shape")
 
     def __init__(self, weight: Tensor, scales: Tensor):
         if weight.dtype != torch.int8 or weight.dim() != 2:
             raise ValueError(f"Int8Table: int8 [rows, dim] weight expected, got {weight.dtype} {tuple(weight.shape)}")
         if scales.shape != (weight.shape[0],):
             raise ValueError(f"Int8Table: scales of shape ({weight.shape[0]},) expected, got {tuple(scales.shape)}")
-        self.weight = weight.contiguous()
         self.scales = scales.to(torch.float32).contiguous()
+        self._shape = weight.shape
         self._cpp = None if weight.is_cuda else cpu_kernels.ops()
-        self._q8 = self._cpp is not None and q8_kernel_supported()
+        self._q8 = self._cpp is not None and q8_kernel_supported() and weight.shape[1] % Q8_BLOCK == 0
+        self._packed = self._cpp.int8_pack_q8(weight) if self._q8 else None
+        self._rows = None if self._q8 else weight.contiguous()
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], prefix: str = "") -> "Int8Table":
@@ -114,26 +122,46 @@ class Int8Table:
 
     @property
     def shape(self) -> torch.Size:
-        return self.weight.shape
+        return self._shape
+
+    @property
+    def weight(self) -> Tensor:
+        """The row-major int8 rows [rows, dim] (rebuilt from the packed layout where that is the one held)."""
+        if self._rows is not None:
+            return self._rows
+        n, k = self._shape
+        return self._packed.permute(0, 2, 1, 3).reshape(-1, k)[:n].view(torch.int8) ^ torch.tensor(-128, dtype=torch.int8)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() + self.scales.numel() * 4
+        held = sum(t.numel() for t in (self._rows, self._packed) if t is not None)
+        return held + self.scales.numel() * 4
 
     def linear(self, x: Tensor) -> Tensor:
         """x [M, dim] -> fp32 [M, rows]."""
-        decode = self._cpp is not None and x.dim() == 2 and x.shape[0] <= skinny_gemm.MAX_ROWS and x.dtype == torch.float32
+        kernel = self._cpp is not None and x.dim() == 2 and x.dtype == torch.float32
+        decode = kernel and x.shape[0] <= skinny_gemm.MAX_ROWS
         if _int8_activations and x.shape[-1] % Q8_BLOCK == 0:
-            if decode and self._q8:
-                return self._cpp.int8_linear_q8(x, self.weight, self.scales)
+            if kernel and self._q8:  # prefill-sized batches in pieces: each row gets its decode-row result
+                if decode:
+                    return self._cpp.int8_linear_q8(x, self._packed, self.scales)
+                return torch.cat([self._cpp.int8_linear_q8(part, self._packed, self.scales)
+                                  for part in x.split(skinny_gemm.MAX_ROWS)])
             return reference_linear_q8(x, self.weight, self.scales)
         if decode:
-            return self._cpp.int8_linear(x, self.weight, self.scales)
+            if self._rows is None:  # fp32 activations asked for on a VNNI CPU: keep the row-major copy
+                self._rows = self.weight.contiguous()
+            return self._cpp.int8_linear(x, self._rows, self.scales)
         return reference_linear(x, self.weight, self.scales)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """The dequantized rows `ids` (any shape) -> fp32 [*ids.shape, dim]."""
-        return self.weight[ids].float() * self.scales[ids].unsqueeze(-1)
+        if self._rows is not None:
+            return self._rows[ids].float() * self.scales[ids].unsqueeze(-1)
+        flat = ids.reshape(-1)
+        k = self._shape[1]
+        rows = self._packed[flat // 16, :, flat % 16, :].reshape(-1, k).to(torch.int16) - 128
+        return (rows.float() * self.scales[flat].unsqueeze(-1)).reshape(*ids.shape, k)
 
     def dequantize(self) -> Tensor:
         """The effective fp32 weight (tests, quality checks)."""

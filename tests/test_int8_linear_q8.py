@@ -16,6 +16,11 @@ def table(n: int, k: int, seed: int = 0) -> Int8Table:
     return Int8Table.from_float(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05)
 
 
+def kernel(x: torch.Tensor, t: Int8Table) -> torch.Tensor:
+    """The VNNI kernel on the table's rows, packed into its layout here."""
+    return ns.int8_linear_q8(x, ns.int8_pack_q8(t.weight), t.scales)
+
+
 def rows(m: int, k: int, seed: int) -> torch.Tensor:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
     x[:, 5] *= 30  # an outlier feature, as final hidden states have: its block's scale is coarser than the others'
@@ -60,7 +65,7 @@ def test_torch_twin_is_the_exact_product_of_the_quantized_rows():
 def test_kernel_matches_its_torch_twin(m, n, k):
     t = table(n, k, seed=m + n + k)
     x = rows(m, k, seed=m)
-    got = ns.int8_linear_q8(x, t.weight, t.scales)
+    got = kernel(x, t)
     assert got.shape == (m, n)
     want = reference_linear_q8(x, t.weight, t.scales)  # the same integer sums; fp32 block order differs
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()) + 1e-6)
@@ -69,12 +74,12 @@ def test_kernel_matches_its_torch_twin(m, n, k):
 @needs_vnni
 @pytest.mark.parametrize("n", [49, 64, 8])
 def test_a_rows_result_does_not_depend_on_its_batch(n, activations):
-    # one row runs the 1x8 tile, more rows the 4x4 tiles and the 1-3 row tails, 49 columns a partial group
+    # passes of 8 rows, then of 4, 2 and 1; 49 columns end in a partial block of 16
     t = table(n, 576, seed=3)
     x = rows(skinny_gemm.MAX_ROWS, 576, seed=4)
-    alone = torch.cat([ns.int8_linear_q8(x[i : i + 1], t.weight, t.scales) for i in range(x.shape[0])])
+    alone = torch.cat([kernel(x[i : i + 1], t) for i in range(x.shape[0])])
     for m in (2, 3, 4, 5, 7, 16, 31, skinny_gemm.MAX_ROWS):
-        assert torch.equal(ns.int8_linear_q8(x[:m], t.weight, t.scales), alone[:m]), m
+        assert torch.equal(kernel(x[:m], t), alone[:m]), m
     activations("int8")
     assert torch.equal(t.linear(x[:7]), alone[:7])  # the wrapper dispatches decode batches to the kernel
 
@@ -83,8 +88,13 @@ def test_the_setting_dispatches_and_falls_back(activations):
     t = table(100, 128, seed=7)
     x = rows(60, 128, seed=8)
     assert activations("int8") == "float32"
-    # prefill-sized batches (and machines without the kernel) take the torch twin, with the same numerics
-    assert torch.equal(t.linear(x), reference_linear_q8(x, t.weight, t.scales))
+    # prefill-sized batches go through the kernel in decode-sized pieces (each row its decode-row result); without
+    # the kernel, the torch twin
+    if int8_linear.q8_kernel_supported():
+        assert torch.equal(t.linear(x), kernel(x, t))
+        torch.testing.assert_close(t.linear(x), reference_linear_q8(x, t.weight, t.scales), rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(t.linear(x), reference_linear_q8(x, t.weight, t.scales))
     odd = table(10, 20, seed=9)  # a feature count that is no multiple of the block keeps fp32 activations
     y = torch.randn(3, 20, generator=torch.Generator().manual_seed(10))
     torch.testing.assert_close(odd.linear(y), reference_linear(y, odd.weight, odd.scales), rtol=1e-4, atol=1e-5)
@@ -101,21 +111,46 @@ def test_a_nan_row_stays_in_its_row():
     t = table(40, 128, seed=11)
     x = rows(3, 128, seed=12)
     x[1, 70] = float("nan")
-    got = ns.int8_linear_q8(x, t.weight, t.scales)
+    got = kernel(x, t)
     assert bool(got[1].isnan().all())
-    assert torch.equal(got[[0, 2]], ns.int8_linear_q8(x[[0, 2]], t.weight, t.scales))
+    assert torch.equal(got[[0, 2]], kernel(x[[0, 2]], t))
 
 
 @needs_vnni
 def test_kernel_rejects_bad_input():
     w = torch.zeros(4, 64, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="int8 weight"):
-        ns.int8_linear_q8(torch.zeros(1, 64), w.float(), torch.ones(4))
-    with pytest.raises(RuntimeError, match="features"):
-        ns.int8_linear_q8(torch.zeros(1, 63), w, torch.ones(4))
+    packed = ns.int8_pack_q8(w)
+    with pytest.raises(RuntimeError, match="int8 CPU weight"):
+        ns.int8_pack_q8(w.float())
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        ns.int8_linear_q8(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+        ns.int8_pack_q8(torch.zeros(4, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="from int8_pack_q8"):
+        ns.int8_linear_q8(torch.zeros(1, 64), w, torch.ones(4))  # the row-major table, not the packed one
+    with pytest.raises(RuntimeError, match="features"):
+        ns.int8_linear_q8(torch.zeros(1, 63), packed, torch.ones(4))
     with pytest.raises(RuntimeError, match="scales"):
-        ns.int8_linear_q8(torch.zeros(1, 64), w, torch.ones(3))
-    with pytest.raises(RuntimeError, match="fp32 input"):
-        ns.int8_linear_q8(torch.zeros(1, 64, dtype=torch.float64), w, torch.ones(4))
+        ns.int8_linear_q8(torch.zeros(1, 64), packed, torch.ones(17))
+    with pytest.raises(RuntimeError, match="fp32 CPU input"):
+        ns.int8_linear_q8(torch.zeros(1, 64, dtype=torch.float64), packed, torch.ones(4))
+
+
+@needs_vnni
+def test_the_table_holds_one_packed_form_and_gives_back_its_rows_and_lookups():
+    w = torch.randn(37, 128, generator=torch.Generator().manual_seed(13)) * 0.05
+    t = Int8Table.from_float(w)
+    ref = int8_linear.quantize_int8(w)
+    assert t._rows is None and t.nbytes == 3 * 16 * 128 + 37 * 4  # 37 rows padded to 3 blocks of 16, one form
+    assert torch.equal(t.weight, ref["weight"])  # rebuilt exactly from the packed bytes
+    ids = torch.tensor([[0, 36], [15, 16]])
+    want = ref["weight"][ids].float() * ref["scales"].float()[ids].unsqueeze(-1)
+    assert torch.equal(t.lookup(ids), want)
+
+
+@needs_vnni
+def test_fp32_activations_on_a_vnni_cpu_keep_a_row_major_copy(activations):
+    t = table(40, 128, seed=14)
+    x = rows(3, 128, seed=15)
+    packed_only = t.nbytes
+    got = t.linear(x)  # fp32 activations (the fixture's setting)
+    assert t._rows is not None and t.nbytes == packed_only + 40 * 128
+    torch.testing.assert_close(got, reference_linear(x, t.weight, t.scales), rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
-// The argument checks both INT8 LM-head kernels share (int8_linear.cpp, int8_linear_q8.cpp): each error names
-// the operator it came from.
+// The argument checks of an INT8 LM-head kernel on the row-major table (int8_linear.cpp; int8_linear_q8.cpp
+// takes its own packed layout and checks that): each error names the operator it came from.
 #pragma once
 #include <ATen/ATen.h>
 
