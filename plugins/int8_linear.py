@@ -94,8 +94,9 @@ class Int8Table:
 
     Where the VNNI kernel runs, the bytes are held once, in its layout (`int8_pack_q8`: 16 rows interleaved per
     4 inputs); lookups index that layout, and `weight` (the row-major int8 rows: tests, the torch twins) is
-    rebuilt from it on each read. If this process then asks for fp32 activations (lm_head_activations=float32,
-    bench A/B runs), the row-major copy that kernel needs is kept beside it from its first call (twice the bytes).
+    rebuilt from it on each read. With fp32 activations (lm_head_activations=float32, bench A/B runs) such a
+    table rebuilds the rows per call for the torch path: slow (28 MB per call for SmolLM2's head), never the
+    default, and the table still holds one form (a kept second copy broke the engine's memory invariants).
     """
 
     __slots__ = ("scales", "_rows", "_packed", "_cpp", "_q8", "_shape")
@@ -148,9 +149,7 @@ class Int8Table:
                 return torch.cat([self._cpp.int8_linear_q8(part, self._packed, self.scales)
                                   for part in x.split(skinny_gemm.MAX_ROWS)])
             return reference_linear_q8(x, self.weight, self.scales)
-        if decode:
-            if self._rows is None:  # fp32 activations asked for on a VNNI CPU: keep the row-major copy
-                self._rows = self.weight.contiguous()
+        if decode and self._rows is not None:
             return self._cpp.int8_linear(x, self._rows, self.scales)
         return reference_linear(x, self.weight, self.scales)
 
