@@ -18,6 +18,8 @@ CPU runs the VNNI kernel and float32 elsewhere (there the int8 path would only b
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,6 +31,7 @@ CHUNK_ROWS = 4096
 Q8_BLOCK = 64  # inputs per activation scale with int8 activations (csrc/int8_linear_q8.cpp's kQBlock)
 HEAD_ACTIVATIONS = ("auto", "int8", "float32")
 _int8_activations = False
+_tables: "weakref.WeakSet[Int8Table]" = weakref.WeakSet()  # re-laid out when the activations change
 
 
 def q8_kernel_supported() -> bool:
@@ -50,6 +53,8 @@ def set_head_activations(name: str) -> str:
         raise ValueError(f"lm_head_activations must be one of {list(HEAD_ACTIVATIONS)}, got {name!r}")
     previous = head_activations()
     _int8_activations = name == "int8" or (name == "auto" and q8_kernel_supported())
+    for table in list(_tables):
+        table.hold_layout_for_activations()
     return previous
 
 
@@ -92,14 +97,15 @@ def reference_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 class Int8Table:
     """int8 rows with fp32 per-row scales; `linear` for the LM head, `lookup` for the embedding.
 
-    Where the VNNI kernel runs, the bytes are held once, in its layout (`int8_pack_q8`: 16 rows interleaved per
-    4 inputs); lookups index that layout, and `weight` (the row-major int8 rows: tests, the torch twins) is
-    rebuilt from it on each read. With fp32 activations (lm_head_activations=float32, bench A/B runs) such a
-    table rebuilds the rows per call for the torch path: slow (28 MB per call for SmolLM2's head), never the
-    default, and the table still holds one form (a kept second copy broke the engine's memory invariants).
+    The bytes are held once (a second copy broke the engine's memory invariants), in the layout the
+    activations in force use: with int8 activations where the VNNI kernel runs, its layout (`int8_pack_q8`: 16
+    rows interleaved per 4 inputs), otherwise the row-major rows the fp32 kernel reads. `set_head_activations`
+    re-lays out every live table (a copy of the table's bytes, once per change: bench A/B runs, quality
+    sweeps), so neither setting runs on the other's layout. Lookups index either layout, and `weight` (the
+    row-major rows: tests, the torch twins) is rebuilt from the packed one on each read.
     """
 
-    __slots__ = ("scales", "_rows", "_packed", "_cpp", "_q8", "_shape")
+    __slots__ = ("scales", "_rows", "_packed", "_cpp", "_q8", "_shape", "__weakref__")
 
     def __init__(self, weight: Tensor, scales: Tensor):
         if weight.dtype != torch.int8 or weight.dim() != 2:
@@ -110,8 +116,19 @@ class Int8Table:
         self._shape = weight.shape
         self._cpp = None if weight.is_cuda else cpu_kernels.ops()
         self._q8 = self._cpp is not None and q8_kernel_supported() and weight.shape[1] % Q8_BLOCK == 0
-        self._packed = self._cpp.int8_pack_q8(weight) if self._q8 else None
-        self._rows = None if self._q8 else weight.contiguous()
+        self._rows, self._packed = weight.contiguous(), None
+        self.hold_layout_for_activations()
+        _tables.add(self)
+
+    def hold_layout_for_activations(self) -> None:
+        """Hold the bytes in the layout the activations in force read (the new form is in place before the old
+        is dropped, so a concurrent reader sees one of them)."""
+        if _int8_activations and self._q8 and self._packed is None:
+            self._packed = self._cpp.int8_pack_q8(self._rows)
+            self._rows = None
+        elif not _int8_activations and self._rows is None:
+            self._rows = self.weight.contiguous()
+            self._packed = None
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], prefix: str = "") -> "Int8Table":
@@ -128,10 +145,11 @@ class Int8Table:
     @property
     def weight(self) -> Tensor:
         """The row-major int8 rows [rows, dim] (rebuilt from the packed layout where that is the one held)."""
-        if self._rows is not None:
-            return self._rows
+        rows, packed = self._rows, self._packed
+        if rows is not None:
+            return rows
         n, k = self._shape
-        return self._packed.permute(0, 2, 1, 3).reshape(-1, k)[:n].view(torch.int8) ^ torch.tensor(-128, dtype=torch.int8)
+        return packed.permute(0, 2, 1, 3).reshape(-1, k)[:n].view(torch.int8) ^ torch.tensor(-128, dtype=torch.int8)
 
     @property
     def nbytes(self) -> int:
@@ -142,24 +160,26 @@ class Int8Table:
         """x [M, dim] -> fp32 [M, rows]."""
         kernel = self._cpp is not None and x.dim() == 2 and x.dtype == torch.float32
         decode = kernel and x.shape[0] <= skinny_gemm.MAX_ROWS
+        rows, packed = self._rows, self._packed
         if _int8_activations and x.shape[-1] % Q8_BLOCK == 0:
-            if kernel and self._q8:  # prefill-sized batches in pieces: each row gets its decode-row result
+            if kernel and packed is not None:  # prefill-sized batches in pieces: each row gets its decode-row result
                 if decode:
-                    return self._cpp.int8_linear_q8(x, self._packed, self.scales)
-                return torch.cat([self._cpp.int8_linear_q8(part, self._packed, self.scales)
+                    return self._cpp.int8_linear_q8(x, packed, self.scales)
+                return torch.cat([self._cpp.int8_linear_q8(part, packed, self.scales)
                                   for part in x.split(skinny_gemm.MAX_ROWS)])
             return reference_linear_q8(x, self.weight, self.scales)
-        if decode and self._rows is not None:
-            return self._cpp.int8_linear(x, self._rows, self.scales)
+        if decode and rows is not None:
+            return self._cpp.int8_linear(x, rows, self.scales)
         return reference_linear(x, self.weight, self.scales)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """The dequantized rows `ids` (any shape) -> fp32 [*ids.shape, dim]."""
-        if self._rows is not None:
-            return self._rows[ids].float() * self.scales[ids].unsqueeze(-1)
+        rows, packed = self._rows, self._packed
+        if rows is not None:
+            return rows[ids].float() * self.scales[ids].unsqueeze(-1)
         flat = ids.reshape(-1)
         k = self._shape[1]
-        rows = self._packed[flat // 16, :, flat % 16, :].reshape(-1, k).to(torch.int16) - 128
+        rows = packed[flat // 16, :, flat % 16, :].reshape(-1, k).to(torch.int16) - 128
         return (rows.float() * self.scales[flat].unsqueeze(-1)).reshape(*ids.shape, k)
 
     def dequantize(self) -> Tensor:

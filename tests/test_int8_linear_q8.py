@@ -135,7 +135,8 @@ def test_kernel_rejects_bad_input():
 
 
 @needs_vnni
-def test_the_table_holds_one_packed_form_and_gives_back_its_rows_and_lookups():
+def test_the_table_holds_one_packed_form_and_gives_back_its_rows_and_lookups(activations):
+    activations("int8")
     w = torch.randn(37, 128, generator=torch.Generator().manual_seed(13)) * 0.05
     t = Int8Table.from_float(w)
     ref = int8_linear.quantize_int8(w)
@@ -147,10 +148,21 @@ def test_the_table_holds_one_packed_form_and_gives_back_its_rows_and_lookups():
 
 
 @needs_vnni
-def test_fp32_activations_on_a_packed_table_rebuild_the_rows_and_hold_one_form(activations):
+def test_changing_the_activations_re_lays_out_live_tables_holding_one_form(activations):
+    activations("int8")
     t = table(40, 128, seed=14)
     x = rows(3, 128, seed=15)
-    packed_only = t.nbytes
-    got = t.linear(x)  # fp32 activations (the fixture's setting)
-    assert t._rows is None and t.nbytes == packed_only  # no second copy for the memory account to miss
-    torch.testing.assert_close(got, reference_linear(x, t.weight, t.scales), rtol=0, atol=0)
+    want_rows, q8 = t.weight.clone(), t.linear(x)
+    assert t._rows is None and t._packed is not None
+    activations("float32")  # the row-major rows the fp32 kernel reads, the packed copy dropped
+    assert t._packed is None and torch.equal(t._rows, want_rows) and t.nbytes == 40 * 128 + 40 * 4
+    got = t.linear(x)
+    assert torch.equal(got, ns.int8_linear(x, want_rows, t.scales))  # the C++ fp32 kernel, not a rebuild per call
+    torch.testing.assert_close(got, reference_linear(x, t.weight, t.scales), rtol=1e-5, atol=1e-5)
+    activations("int8")  # and back, bit for bit
+    assert t._rows is None and torch.equal(t.weight, want_rows) and torch.equal(t.linear(x), q8)
+
+
+def test_a_table_made_under_fp32_activations_holds_the_rows(activations):
+    t = table(32, 128, seed=16)
+    assert t._packed is None and t._rows is not None and t.nbytes == 32 * 128 + 32 * 4
