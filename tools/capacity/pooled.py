@@ -134,8 +134,10 @@ def main(argv=None) -> int:
         print(f"[pooled] {e}", file=sys.stderr)
         return 2
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    if args.out:  # a committed report names what made it; each run's own report.md holds its probes' loads
+        command = " ".join(["python -m tools.capacity.pooled", *(argv if argv is not None else sys.argv[1:])])
+        args.out.write_text(f"Command: `{command}`. Derived from the runs below: their report.md files hold every "
+                            f"probe's commit, time and machine load.\n\n{text}")
     return 0
 
 
