@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.capacity.analysis import REFERENCE
-from tools.capacity.report import TARGET_RATIO, TARGET_RATIO_LO
+from tools.capacity.report import TARGET_RATIO, TARGET_RATIO_LO, meets_ratio_target
 from tools.capacity.stats import Interval, mean_interval
 
 
@@ -81,7 +81,7 @@ class Pooled:
     per_run: Interval
 
     def meets_target(self, iv: Interval) -> bool:
-        return iv.mean >= TARGET_RATIO and iv.lo is not None and iv.lo >= TARGET_RATIO_LO
+        return meets_ratio_target(iv)
 
 
 def pool(runs: list[RunRatio]) -> Pooled:

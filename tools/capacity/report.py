@@ -11,7 +11,7 @@ from pathlib import Path
 from tools.capacity import plots, store
 from tools.capacity.analysis import REFERENCE, PolicyResult, analyse, same_rate
 from tools.capacity.slo import SENSITIVITY, TARGET_ATTAINMENT
-from tools.capacity.stats import CONFIDENCE
+from tools.capacity.stats import CONFIDENCE, Interval
 from tools.replay import metrics as rm
 from tools.replay import plots as replay_plots
 from tools.replay.paths import shown
@@ -82,12 +82,16 @@ HEADER = ("| policy | capacity (rate scale, mean [95% CI]) | req/s at capacity |
           + "|---" * 14 + "|")
 
 
+def meets_ratio_target(ratio: Interval) -> bool:
+    """Issue 12's capacity target: mean at least TARGET_RATIO and the 95% interval's lower end at least TARGET_RATIO_LO."""
+    return ratio.mean >= TARGET_RATIO and ratio.lo is not None and ratio.lo >= TARGET_RATIO_LO
+
+
 def targets(cell: dict[str, PolicyResult]) -> list[str]:
     b = cell.get("balanced")
     if not b or not b.ratio:
         return ["- balanced vs full: not measured in this cell"]
-    lo = b.ratio.lo
-    met = b.ratio.mean >= TARGET_RATIO and lo is not None and lo >= TARGET_RATIO_LO
+    met = meets_ratio_target(b.ratio)
     return [f"- capacity balanced / full: {b.ratio.fmt()} (target >= {TARGET_RATIO}x with the 95% interval's lower "
             f"end >= {TARGET_RATIO_LO}x): **{'met' if met else 'missed'}**"]
 
