@@ -47,3 +47,15 @@ def test_prefill_ab_times_both_int4_prefill_paths_and_restores_the_setting():
     assert [r["prompts"] for r in rows] == ["1 x 96", "3 x 40"]
     assert rows[0]["tokens"] >= 90 and rows[1]["tokens"] >= 3 * 36  # re-encoded pieces may merge a token or two
     assert all(r["bfloat16_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+
+
+def test_prefetch_ab_times_both_settings_and_puts_the_built_in_distance_back():
+    from plugins import cpu_kernels
+
+    if cpu_kernels.ops() is None:
+        pytest.skip("no C++ kernels")
+    engine = bench_engine.make_engine(_args(policy=["int4"]), "int4")
+    rows = bench_engine.ab_table(engine, [1, 2], bench_engine.use_prefetch, "INT4 prefetch A/B", "off", "on", steps=2)
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["off_step_s"] > 0 and r["on_step_s"] > 0 for r in rows)
+    assert cpu_kernels.ops().int4_prefetch(-1) == bench_engine.DEFAULT_PREFETCH > 0

@@ -318,6 +318,28 @@ def test_int4_vnni_tiles_give_the_same_bits_as_the_avx2_ones(m, n, k, group):
 
 
 @needs_kernels
+@pytest.mark.skipif(not {"avx512_vnni", "avx512bw"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("n,k", [(960, 576), (44, 1536)])  # prefetches run past the last tile's end here
+def test_int4_prefetch_changes_no_bit(m, n, k):
+    q, a, _ = _int4(n, k, seed=m + 7, group=64)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    previous = quant_matmul.set_int4_activations("int8"), ns.int4_prefetch(-1)
+    assert previous[1] > 0  # on by default where VNNI runs
+    try:
+        got = {}
+        for ahead in (0, 64, 4096, 1 << 20):  # a hint, never a read: even a megabyte past the weight is safe
+            ns.int4_prefetch(ahead)
+            got[ahead] = ns.int4_linear(x, q, a, None, n, 64, skinny_gemm.MAX_ROWS)
+    finally:
+        quant_matmul.set_int4_activations(previous[0])
+        ns.int4_prefetch(previous[1])
+    assert all(torch.equal(got[0], g) for g in got.values())
+    with pytest.raises(RuntimeError, match="int4_prefetch: 0..1048576"):
+        ns.int4_prefetch(-2)
+
+
+@needs_kernels
 def test_int4_activation_setting_rejects_other_widths():
     with pytest.raises(ValueError, match="int4_activations must be one of"):
         quant_matmul.set_int4_activations("int4")

@@ -115,6 +115,17 @@ def alternating_ab(engine: LLMEngine, batch: int, use, steps: int = 10) -> tuple
     return statistics.median(times[False]), statistics.median(times[True])
 
 
+def ab_table(engine: LLMEngine, batches, use, title: str, a: str, b: str, steps: int = 10) -> list[dict]:
+    """Per batch, decode steps alternating between setting A and B (alternating_ab), printed and returned."""
+    print(f"[bench] {title}, steps alternating: {'batch':>5} {a + ' ms':>16} {b + ' ms':>16} {'A/B':>7}")
+    out = []
+    for batch in batches:
+        ta, tb = alternating_ab(engine, batch, use, steps=steps)
+        out.append({"batch": batch, f"{a}_step_s": ta, f"{b}_step_s": tb})
+        print(f"[bench] {'':>{len(title) + 20}} {batch:>5} {ta * 1e3:16.2f} {tb * 1e3:16.2f} {ta / tb:7.3f}")
+    return out
+
+
 def fused_switch():
     """A: the per-op decode, B: the fused decode call (MORPHSERVE_FUSED_DECODE is read per step); None: as before."""
     before = os.environ.get("MORPHSERVE_FUSED_DECODE")
@@ -136,6 +147,15 @@ def use_avx512(flag: bool | None) -> None:
     cpu_kernels.ops().int4_vnni(1 if on else 0)
     cpu_kernels.ops().dense_wide_tile(1 if on else 0)
     set_head_activations("auto" if on else "float32")
+
+
+# The INT4 VNNI row pass's software prefetch distance as built (int4_tile.h), read once before any A/B moves it.
+DEFAULT_PREFETCH = cpu_kernels.ops().int4_prefetch(-1) if cpu_kernels.ops() is not None else 0
+
+
+def use_prefetch(flag: bool | None) -> None:
+    """A: the INT4 VNNI row pass without software prefetch, B: with the built-in distance."""
+    cpu_kernels.ops().int4_prefetch(DEFAULT_PREFETCH if flag is None or flag else 0)
 
 
 PREFILL_TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
@@ -314,19 +334,12 @@ def bench_policy(args, policy: str) -> dict:
         fl = f"{floor:12.1f} {b / step / floor:9.0%}" if floor else f"{'':>12} {'':>9}"
         print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {mkl * 1e3:15.1f} {fl}")
     if args.fused_ab:
-        rows["fused_ab"] = []
-        print(f"[bench] fused decode A/B, steps alternating: {'batch':>5} {'per-op ms':>10} {'fused ms':>9} {'per-op/fused':>13}")
-        for b in args.batches:
-            per_op, fused = alternating_ab(engine, b, fused_switch())
-            rows["fused_ab"].append({"batch": b, "per_op_step_s": per_op, "fused_step_s": fused})
-            print(f"[bench] {'':>40} {b:>5} {per_op * 1e3:10.2f} {fused * 1e3:9.2f} {per_op / fused:13.3f}")
+        rows["fused_ab"] = ab_table(engine, args.batches, fused_switch(), "fused decode A/B", "per_op", "fused")
     if args.avx512_ab and not avx2 and vnni:
-        rows["avx512_ab"] = []
-        print(f"[bench] AVX-512 A/B, steps alternating:      {'batch':>5} {'AVX2 ms':>10} {'AVX-512 ms':>9} {'AVX2/AVX-512':>13}")
-        for b in args.batches:
-            plain, fast = alternating_ab(engine, b, use_avx512, steps=20)
-            rows["avx512_ab"].append({"batch": b, "avx2_step_s": plain, "avx512_step_s": fast})
-            print(f"[bench] {'':>40} {b:>5} {plain * 1e3:10.2f} {fast * 1e3:9.2f} {plain / fast:13.3f}")
+        rows["avx512_ab"] = ab_table(engine, args.batches, use_avx512, "AVX-512 A/B", "avx2", "avx512", steps=20)
+    if args.prefetch_ab and morph_policy != "full" and vnni:
+        rows["prefetch_ab"] = ab_table(engine, args.batches, use_prefetch, "INT4 prefetch A/B", "no_prefetch",
+                                       f"prefetch_{DEFAULT_PREFETCH}", steps=20)
     if args.prefill_ab and morph_policy != "full":
         rows["prefill_ab"] = prefill_ab(engine)
         for r in rows["prefill_ab"]:
@@ -372,6 +385,9 @@ def main(argv=None) -> int:
     ap.add_argument("--avx512-ab", "--vnni-ab", dest="avx512_ab", action="store_true",
                     help="also time decode steps without and with the AVX-512 kernels (VNNI INT4 tiles, W8A8 head, "
                          "4-row dense tiles), alternating step by step (where the CPU has AVX-512 VNNI)")
+    ap.add_argument("--prefetch-ab", action="store_true",
+                    help="for policies with INT4 layers: also time decode steps with the INT4 tiles' software prefetch "
+                         "off and on, alternating step by step (where the CPU has AVX-512 VNNI)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--prefill-ab", action="store_true",

@@ -229,6 +229,15 @@ int64_t int4_vnni(int64_t on) {
   return previous;
 }
 
+// Sets the VNNI row pass's software prefetch distance in bytes (0: none) when `bytes` >= 0; returns the
+// setting before the call. Results are bitwise the same whatever it is: this exists to measure.
+int64_t int4_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= -1 && bytes <= (1 << 20), "int4_prefetch: 0..1048576 bytes ahead or -1 (read) expected, got ", bytes);
+  const int64_t previous = prefetch_bytes.load();
+  if (bytes >= 0) prefetch_bytes.store(bytes);
+  return previous;
+}
+
 // Sets the prefill path (kPrefillFloat32, kPrefillBf16 or kPrefillDecodeTiles) when `mode` >= 0; returns the
 // setting before the call.
 int64_t int4_prefill_mode(int64_t mode) {
@@ -244,6 +253,7 @@ int64_t int4_prefill_mode(int64_t mode) {
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("int4_prefill_mode(int mode) -> int", int4_prefill_mode);
   m.def("int4_vnni(int on) -> int", int4_vnni);
+  m.def("int4_prefetch(int bytes) -> int", int4_prefetch);
   m.def("int4_activation_bits(int bits) -> int", int4_activation_bits);  // no tensors: a catch-all kernel
   m.def("int4_pack(Tensor qweight, Tensor scales_zeros, int group_size) -> (Tensor, Tensor)");
   m.def("int4_linear(Tensor input, Tensor packed, Tensor affine, Tensor? pre_scale, int out_features, int group_size, int max_skinny_rows) -> Tensor");
