@@ -42,13 +42,15 @@ profile: setup
 
 # Trace replay: every policy on the default Azure-code window, then the saturation sweep (full, balanced) on its
 # second burst, then the report with both (results/replay/default/, ~40 min; docs/replay.md); then capacity by
-# bisection for every traffic kind, pool, policy and seed (results/replay/capacity/; hours, resumable: docs/capacity.md).
+# bisection for every traffic kind, pool, policy and seed (results/replay/capacity/; hours, resumable: docs/capacity.md),
+# gathered with the other committed capacity runs into results/replay/capacity.json.
 replay: setup
 	$(PY) -m tools.replay.compare --name default --no-progress
 	$(PY) -m tools.replay.compare --name default --policies full,balanced --window-start 2260 --window 50 \
 		--sweep 0.04,0.06,0.08,0.10,0.12 --no-progress
 	$(PY) -m tools.replay.compare --name default --report-only
 	$(PY) -m tools.capacity
+	$(PY) -m tools.capacity.summary $$(ls -d results/replay/capacity*/ | grep -v '/capacity/$$') results/replay/capacity
 
 replay-quick: setup
 	$(PY) -m tools.replay.compare --quick

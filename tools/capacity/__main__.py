@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-slo-s", type=float, default=Slos().ttft_s, help="keep the default across commits")
     ap.add_argument("--tpot-slo-s", type=float, default=Slos().tpot_s, help="keep the default across commits")
     ap.add_argument("--out", default="results/replay/capacity", help="report folder (raw/ inside)")
-    ap.add_argument("--json", default="results/replay/capacity.json")
+    ap.add_argument("--json", help="the run's figures as numbers (default: OUT/capacity.json; "
+                    "results/replay/capacity.json gathers every run's: python -m tools.capacity.summary)")
     ap.add_argument("--quality", default="results/quality/quality.json")
     ap.add_argument("--force", action="store_true", help="run probes again even if stored")
     ap.add_argument("--report-only", action="store_true")
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     if not args.no_report:
         from tools.capacity.report import write_report  # matplotlib only when a report is written
 
-        write_report(out, repo_path(args.json), repo_path(args.quality), command)
+        write_report(out, repo_path(args.json) if args.json else out / "capacity.json", repo_path(args.quality), command)
     return 0
 
 

@@ -1,0 +1,42 @@
+"""Gathering capacity runs into results/replay/capacity.json (tools/capacity/summary.py): cells grouped by
+traffic and pool across runs, pooled only where two runs measured the policy, SLO mismatches refused."""
+import json
+
+from tools.capacity import summary
+from test_capacity_pooled import _run
+
+
+def _slo(path, ttft=2.0):
+    data = json.loads(path.read_text())
+    data["slo"] = {"ttft_s": ttft, "tpot_s": 0.35, "target_attainment": 0.9}
+    path.write_text(json.dumps(data))
+    return path.parent
+
+
+def test_cells_gather_runs_and_pool_where_two_runs_measured_the_policy(tmp_path):
+    a = _slo(_run(tmp_path, "a", {0: 0.1, 1: 0.12}, {0: 0.2, 1: 0.25}))
+    b = _slo(_run(tmp_path, "b", {2: 0.15, 3: 0.14}, {2: 0.3, 3: 0.27}))
+    c = _slo(_run(tmp_path, "c", {0: 0.5}, {0: 0.5}, pool=1024))
+    out = summary.summarize([a, b, c])
+    assert out["slo"]["ttft_s"] == 2.0
+    cells = {(x["traffic"], x["pool_tokens"]): x for x in out["cells"]}
+    assert set(cells) == {("conv", 256), ("conv", 1024)}
+    c256 = cells[("conv", 256)]
+    assert [r["run"] for r in c256["runs"]] == ["a", "b"] and c256["latest"] == "b"
+    per_run = c256["pooled"]["balanced"]["ratio_per_run"]
+    assert per_run["n"] == 2 and abs(per_run["mean"] - ((0.45 / 0.22) + (0.57 / 0.29)) / 2) < 1e-9
+    assert c256["pooled"]["balanced"]["ratio_per_seed"]["n"] == 4
+    assert cells[("conv", 1024)]["pooled"] == {}  # one run: its own figures are the reading
+
+
+def test_runs_under_different_slos_or_without_a_json_are_refused(tmp_path, capsys):
+    a = _slo(_run(tmp_path, "a", {0: 0.1}, {0: 0.2}))
+    b = _slo(_run(tmp_path, "b", {0: 0.1}, {0: 0.2}), ttft=1.0)
+    assert summary.main([str(a), str(b), "--json", str(tmp_path / "s.json")]) == 2
+    assert "different SLOs" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert summary.main([str(a), str(tmp_path / "empty"), "--json", str(tmp_path / "s.json")]) == 2
+    assert "no capacity.json" in capsys.readouterr().err
+    assert summary.main([str(a), "--json", str(tmp_path / "s.json")]) == 0
+    written = json.loads((tmp_path / "s.json").read_text())
+    assert written["command"].startswith("python -m tools.capacity.summary") and written["cells"][0]["latest"] == "a"

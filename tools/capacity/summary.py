@@ -1,0 +1,93 @@
+"""The capacity claims in one machine-readable file: every capacity run's cells, grouped by traffic kind and KV
+pool size, with the pooled reading (tools/capacity/pooled.py) wherever several runs measured the same policy
+against full in a cell.
+
+Each run folder (`python -m tools.capacity --out F`) keeps its own F/capacity.json; this gathers them into
+`results/replay/capacity.json`, so a reader (or a plot, or the README) finds each cell's figures with the run,
+commits and seeds they came from, without knowing the folders. Runs are listed in the order given: give the
+newest last, and its figures are the cell's `latest`.
+
+    python -m tools.capacity.summary results/replay/capacity results/replay/capacity_pool256_* ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tools.capacity.analysis import REFERENCE
+from tools.capacity.pooled import pool, read_run
+from tools.capacity.report import TARGET_RATIO, TARGET_RATIO_LO
+
+SUMMARY_JSON = "results/replay/capacity.json"
+
+
+def summarize(folders: list[Path]) -> dict:
+    """{slo, cells: [{traffic, pool_tokens, runs: [...], latest, pooled}]} from the runs' capacity.json files.
+    Raises ValueError when a folder has none, or when the runs did not all use the same SLOs."""
+    runs = []
+    for folder in folders:
+        path = folder / "capacity.json"
+        if not path.is_file():
+            raise ValueError(f"{folder}: no capacity.json (run `python -m tools.capacity --report-only --out {folder}`)")
+        runs.append((folder, path, json.loads(path.read_text())))
+    slos = {json.dumps(data.get("slo"), sort_keys=True) for _, _, data in runs}
+    if len(slos) > 1:
+        raise ValueError(f"the runs used different SLOs ({', '.join(sorted(slos))}): their capacities do not compare")
+    cells: dict[tuple[str, int], dict] = {}
+    for folder, _, data in runs:
+        for cell in data.get("cells", []):
+            key = (cell["traffic"], cell["pool_tokens"])
+            entry = cells.setdefault(key, {"traffic": key[0], "pool_tokens": key[1], "runs": []})
+            entry["runs"].append({"run": folder.name, "report": data.get("report"), "commits": data.get("commits", []),
+                                  "policies": cell["policies"]})
+    for (traffic, pool_tokens), entry in cells.items():
+        entry["latest"] = entry["runs"][-1]["run"]
+        policies = {p for r in entry["runs"] for p in r["policies"] if p != REFERENCE}
+        entry["pooled"] = {}
+        for policy in sorted(policies):
+            measured = [r for _, path, _ in runs if (r := read_run(path, traffic, pool_tokens, policy))]
+            if len(measured) < 2:  # one run: its own figures are the reading
+                continue
+            p = pool(measured)
+            entry["pooled"][policy] = {
+                "runs": [r.run for r in p.runs],
+                "ratio_per_run": p.per_run.as_dict(), "ratio_per_seed": p.per_seed.as_dict(),
+                "meets_target_per_run": p.meets_target(p.per_run),
+                "meets_target_per_seed": p.meets_target(p.per_seed)}
+    return {"slo": json.loads(next(iter(slos))) if slos else None,
+            "target": {"ratio_mean": TARGET_RATIO, "ratio_ci95_low": TARGET_RATIO_LO},
+            "how_to_read": "Per cell (traffic kind, KV pool tokens): each run's figures as its own capacity.json holds "
+                           "them (capacity as rate scale and req/s, ratio to full with its 95% interval, quality "
+                           "loss, per seed); `pooled`, where two or more runs measured a policy against full: the "
+                           "ratio with each run counted once (per_run: quote this one) and with every (run, seed) "
+                           "pair pooled (per_seed). Only ratios within a run compare: full's own capacity moves "
+                           "with the machine's speed.",
+            "cells": sorted(cells.values(), key=lambda c: (c["traffic"], c["pool_tokens"]))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.capacity.summary", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help="capacity run folders (each with its capacity.json), oldest first")
+    ap.add_argument("--json", type=Path, default=Path(SUMMARY_JSON))
+    args = ap.parse_args(argv)
+    try:
+        summary = summarize(args.runs)
+    except ValueError as e:
+        print(f"[summary] {e}", file=sys.stderr)
+        return 2
+    command = " ".join(["python -m tools.capacity.summary", *(argv if argv is not None else sys.argv[1:])])
+    args.json.write_text(json.dumps({"command": command, **summary}, indent=1) + "\n")
+    for c in summary["cells"]:
+        pooled = "; ".join(f"{p} per run {v['ratio_per_run']['mean']:.2f}x (n={v['ratio_per_run']['n']})"
+                           for p, v in c["pooled"].items())
+        print(f"[summary] {c['traffic']} pool {c['pool_tokens']}: {len(c['runs'])} run(s), latest {c['latest']}"
+              + (f"; pooled: {pooled}" if pooled else ""))
+    print(f"[summary] wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
