@@ -318,14 +318,16 @@ def test_int4_vnni_tiles_give_the_same_bits_as_the_avx2_ones(m, n, k, group):
 
 
 @needs_kernels
-@pytest.mark.skipif(not {"avx512_vnni", "avx512bw"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512 VNNI")
+@pytest.mark.parametrize("vnni", [0, 1])  # the AVX2 pass (group_q8) and the VNNI one (rows_q8_vnni)
 @pytest.mark.parametrize("m", [1, 3, 4])
 @pytest.mark.parametrize("n,k", [(960, 576), (44, 1536)])  # prefetches run past the last tile's end here
-def test_int4_prefetch_changes_no_bit(m, n, k):
+def test_int4_prefetch_changes_no_bit(vnni, m, n, k):
+    if vnni and not {"avx512_vnni", "avx512bw"} <= (cpu_kernels.cpu_flags() or set()):
+        pytest.skip("no AVX-512 VNNI")
     q, a, _ = _int4(n, k, seed=m + 7, group=64)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    previous = quant_matmul.set_int4_activations("int8"), ns.int4_prefetch(-1)
-    assert previous[1] > 0  # on by default where VNNI runs
+    previous = quant_matmul.set_int4_activations("int8"), ns.int4_prefetch(-1), ns.int4_vnni(vnni)
+    assert previous[1] > 0  # on by default
     try:
         got = {}
         for ahead in (0, 64, 4096, 1 << 20):  # a hint, never a read: even a megabyte past the weight is safe
@@ -334,6 +336,7 @@ def test_int4_prefetch_changes_no_bit(m, n, k):
     finally:
         quant_matmul.set_int4_activations(previous[0])
         ns.int4_prefetch(previous[1])
+        ns.int4_vnni(previous[2])
     assert all(torch.equal(got[0], g) for g in got.values())
     with pytest.raises(RuntimeError, match="int4_prefetch: 0..1048576"):
         ns.int4_prefetch(-2)

@@ -149,12 +149,12 @@ def use_avx512(flag: bool | None) -> None:
     set_head_activations("auto" if on else "float32")
 
 
-# The INT4 VNNI row pass's software prefetch distance as built (int4_tile.h), read once before any A/B moves it.
+# The INT4 tiles' software prefetch distance as built (int4_tile.h), read once before any A/B moves it.
 DEFAULT_PREFETCH = cpu_kernels.ops().int4_prefetch(-1) if cpu_kernels.ops() is not None else 0
 
 
 def use_prefetch(flag: bool | None) -> None:
-    """A: the INT4 VNNI row pass without software prefetch, B: with the built-in distance."""
+    """A: the INT4 tiles (int8 activations) without software prefetch, B: with the built-in distance."""
     cpu_kernels.ops().int4_prefetch(DEFAULT_PREFETCH if flag is None or flag else 0)
 
 
@@ -337,7 +337,7 @@ def bench_policy(args, policy: str) -> dict:
         rows["fused_ab"] = ab_table(engine, args.batches, fused_switch(), "fused decode A/B", "per_op", "fused")
     if args.avx512_ab and not avx2 and vnni:
         rows["avx512_ab"] = ab_table(engine, args.batches, use_avx512, "AVX-512 A/B", "avx2", "avx512", steps=20)
-    if args.prefetch_ab and morph_policy != "full" and vnni:
+    if args.prefetch_ab and morph_policy != "full" and cpu_kernels.ops() is not None:
         rows["prefetch_ab"] = ab_table(engine, args.batches, use_prefetch, "INT4 prefetch A/B", "no_prefetch",
                                        f"prefetch_{DEFAULT_PREFETCH}", steps=20)
     if args.prefill_ab and morph_policy != "full":
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
                          "4-row dense tiles), alternating step by step (where the CPU has AVX-512 VNNI)")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="for policies with INT4 layers: also time decode steps with the INT4 tiles' software prefetch "
-                         "off and on, alternating step by step (where the CPU has AVX-512 VNNI)")
+                         "off and on, alternating step by step")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--prefill-ab", action="store_true",

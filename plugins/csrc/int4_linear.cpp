@@ -229,7 +229,7 @@ int64_t int4_vnni(int64_t on) {
   return previous;
 }
 
-// Sets the VNNI row pass's software prefetch distance in bytes (0: none) when `bytes` >= 0; returns the
+// Sets the int8-activation passes' software prefetch distance in bytes (0: none) when `bytes` >= 0; returns the
 // setting before the call. Results are bitwise the same whatever it is: this exists to measure.
 int64_t int4_prefetch(int64_t bytes) {
   TORCH_CHECK(bytes >= -1 && bytes <= (1 << 20), "int4_prefetch: 0..1048576 bytes ahead or -1 (read) expected, got ", bytes);

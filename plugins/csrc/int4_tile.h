@@ -176,7 +176,7 @@ inline void group_buf(const Packed& p, int64_t b0, int64_t g, const float* buf, 
 // row's word meet.
 template <int MT, int NB>
 inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, const float* xd, int64_t K,
-                     const float* xsum, float* tot, int64_t ldt) {
+                     const float* xsum, float* tot, int64_t ldt, int64_t ahead) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t qblocks = K / kQBlock;
   __m256 part[MT][NB];
@@ -194,6 +194,10 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
         std::memcpy(&o, xq + m * K + k + 4, 4);
         xe[m] = _mm256_set1_epi32(e);
         xo[m] = _mm256_set1_epi32(o);
+      }
+      if (ahead > 0) {  // as rows_q8_vnni: the chunk's NB * 32 bytes, `ahead` bytes on
+        const char* at = reinterpret_cast<const char*>(p.word(b0, k / 8)) + ahead;
+        for (int64_t line = 0; line < NB * 32; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
       }
       for (int b = 0; b < NB; ++b) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.word(b0 + b, k / 8)));
@@ -221,11 +225,13 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
 // Process-wide: whether full tiles take group_q8_vnni where the CPU has it (int4_vnni op: A/B measurements).
 inline std::atomic<int> use_vnni{1};
 
-// Process-wide: how far ahead (bytes of the tile stream) the VNNI row pass asks for its nibbles with a software
-// prefetch, 0 for none (int4_prefetch op: A/B measurements). At one row the pass computes so little per cache line
-// that the hardware prefetcher alone kept one core's reads at ~70% of a plain streaming sum; asking 4 KB ahead
-// (tiles continue each other's stream, so it runs on into the next tile) made the all-INT4 batch-1 step 1.12-1.21x
-// faster in step-alternating A/Bs on one core (2-8 KB alike, T0 and T1 hints alike; batch 8 1.0-1.05x).
+// Process-wide: how far ahead (bytes of the tile stream) the int8-activation passes (rows_q8_vnni, group_q8) ask
+// for their nibbles with a software prefetch, 0 for none (int4_prefetch op: A/B measurements). At one row a pass
+// computes so little per cache line that the hardware prefetcher alone kept one core's reads at ~70% of a plain
+// streaming sum; asking 4 KB ahead (tiles continue each other's stream, so it runs on into the next tile) made the
+// all-INT4 batch-1 step 1.12-1.21x faster with the VNNI pass and 1.16-1.18x with the AVX2 one, in step-alternating
+// A/Bs on one core (2-8 KB alike, T0 and T1 hints alike; batch 8 1.0-1.09x). Asking for the first 4 KB of each
+// linear's range a phase early (in the fused decode call) measured 0.99-1.02x and was not kept.
 inline std::atomic<int64_t> prefetch_bytes{4096};
 
 // Below this many rows the AVX2 loop is kept. With the totals in registers (rows_q8_vnni) the VNNI pass is the
@@ -321,8 +327,8 @@ inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, flo
   const int64_t K = p.K, qblocks = K / kQBlock;
   const float* x = in.xs;
   const float* xsum = in.xsum;
+  const int64_t ahead = prefetch_bytes.load(std::memory_order_relaxed);
   if (NB == kTileBlocks && in.xq != nullptr && vnni_tiles(M)) {
-    const int64_t ahead = prefetch_bytes.load(std::memory_order_relaxed);
     int64_t m = 0;
     for (; m + kQRows <= M; m += kQRows)
       rows_q8_vnni<kQRows>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
@@ -334,9 +340,9 @@ inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, flo
       if (in.xq != nullptr) {
         int64_t m = 0;
         for (; m + kQRows <= M; m += kQRows)
-          group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+          group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
         for (; m < M; ++m)
-          group_q8<1, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt);
+          group_q8<1, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
         continue;
       }
       if (M <= kRegRows) {
