@@ -27,6 +27,9 @@ def test_cells_gather_runs_and_pool_where_two_runs_measured_the_policy(tmp_path)
     assert per_run["n"] == 2 and abs(per_run["mean"] - ((0.45 / 0.22) + (0.57 / 0.29)) / 2) < 1e-9
     assert c256["pooled"]["balanced"]["ratio_per_seed"]["n"] == 4
     assert cells[("conv", 1024)]["pooled"] == {}  # one run: its own figures are the reading
+    ratios = summary.cell_ratios(out)
+    assert ratios[("conv", 256)]["balanced"].n == 2  # the pooled per-run reading, not b's own
+    assert ratios[("conv", 1024)]["balanced"].mean == 1.0
 
 
 def test_runs_under_different_slos_or_without_a_json_are_refused(tmp_path, capsys):
@@ -37,6 +40,7 @@ def test_runs_under_different_slos_or_without_a_json_are_refused(tmp_path, capsy
     (tmp_path / "empty").mkdir()
     assert summary.main([str(a), str(tmp_path / "empty"), "--json", str(tmp_path / "s.json")]) == 2
     assert "no capacity.json" in capsys.readouterr().err
-    assert summary.main([str(a), "--json", str(tmp_path / "s.json")]) == 0
+    assert summary.main([str(a), "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "map.png")]) == 0
+    assert (tmp_path / "map.png").stat().st_size > 0
     written = json.loads((tmp_path / "s.json").read_text())
     assert written["command"].startswith("python -m tools.capacity.summary") and written["cells"][0]["latest"] == "a"

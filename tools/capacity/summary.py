@@ -19,8 +19,28 @@ from pathlib import Path
 from tools.capacity.analysis import REFERENCE
 from tools.capacity.pooled import pool, read_run
 from tools.capacity.report import TARGET_RATIO, TARGET_RATIO_LO
+from tools.capacity.stats import Interval
 
 SUMMARY_JSON = "results/replay/capacity.json"
+SUMMARY_PLOT = "results/replay/capacity_regime_map.png"
+
+
+def cell_ratios(summary: dict) -> dict:
+    """{(traffic, pool): {policy: Interval}}: the pooled per-run ratio where two or more runs measured the
+    policy, else the ratio of the newest run that did."""
+    out = {}
+    for c in summary["cells"]:
+        ratios = {}
+        for run in c["runs"]:  # oldest first: a newer run's figure replaces an older one
+            for policy, figures in run["policies"].items():
+                r = figures.get("ratio_to_full")
+                if policy != REFERENCE and r and r.get("mean") is not None:
+                    ratios[policy] = Interval(r["mean"], r["ci95"][0], r["ci95"][1], r["n"])
+        for policy, pooled in c["pooled"].items():
+            r = pooled["ratio_per_run"]
+            ratios[policy] = Interval(r["mean"], r["ci95"][0], r["ci95"][1], r["n"])
+        out[(c["traffic"], c["pool_tokens"])] = ratios
+    return out
 
 
 def summarize(folders: list[Path]) -> dict:
@@ -72,6 +92,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="capacity run folders (each with its capacity.json), oldest first")
     ap.add_argument("--json", type=Path, default=Path(SUMMARY_JSON))
+    ap.add_argument("--plot", type=Path, default=Path(SUMMARY_PLOT),
+                    help="the regime map over every run (pooled ratio where runs were pooled)")
     args = ap.parse_args(argv)
     try:
         summary = summarize(args.runs)
@@ -85,7 +107,14 @@ def main(argv=None) -> int:
                            for p, v in c["pooled"].items())
         print(f"[summary] {c['traffic']} pool {c['pool_tokens']}: {len(c['runs'])} run(s), latest {c['latest']}"
               + (f"; pooled: {pooled}" if pooled else ""))
-    print(f"[summary] wrote {args.json}")
+    from types import SimpleNamespace
+
+    from tools.capacity.plots import regime_map  # matplotlib only here
+
+    ratios = cell_ratios(summary)
+    regime_map(args.plot, {k: {p: SimpleNamespace(ratio=iv) for p, iv in v.items()} for k, v in ratios.items()},
+               sorted({p for v in ratios.values() for p in v}))
+    print(f"[summary] wrote {args.json} and {args.plot}")
     return 0
 
 
