@@ -327,22 +327,23 @@ inline void tile(const Packed& p, int64_t b0, const Prepared& in, int64_t M, flo
   const int64_t K = p.K, qblocks = K / kQBlock;
   const float* x = in.xs;
   const float* xsum = in.xsum;
+  // Only the first pass of rows streams the tile from memory; later passes find it in the caches.
   const int64_t ahead = prefetch_bytes.load(std::memory_order_relaxed);
   if (NB == kTileBlocks && in.xq != nullptr && vnni_tiles(M)) {
     int64_t m = 0;
     for (; m + kQRows <= M; m += kQRows)
-      rows_q8_vnni<kQRows>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
-    if (M - m == 3) rows_q8_vnni<3>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
-    else if (M - m == 2) rows_q8_vnni<2>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
-    else if (M - m == 1) rows_q8_vnni<1>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
+      rows_q8_vnni<kQRows>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, m == 0 ? ahead : 0);
+    if (M - m == 3) rows_q8_vnni<3>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, m == 0 ? ahead : 0);
+    else if (M - m == 2) rows_q8_vnni<2>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, m == 0 ? ahead : 0);
+    else if (M - m == 1) rows_q8_vnni<1>(p, b0, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, m == 0 ? ahead : 0);
   } else {
     for (int64_t g = 0; g < p.groups; ++g) {
       if (in.xq != nullptr) {
         int64_t m = 0;
         for (; m + kQRows <= M; m += kQRows)
-          group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
+          group_q8<kQRows, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, m == 0 ? ahead : 0);
         for (; m < M; ++m)
-          group_q8<1, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, ahead);
+          group_q8<1, NB>(p, b0, g, in.xq + m * K, in.xd + m * qblocks, K, xsum + m * p.groups, tot + m * ldt, ldt, m == 0 ? ahead : 0);
         continue;
       }
       if (M <= kRegRows) {

@@ -48,7 +48,8 @@ class RunRatio:
     seeds: tuple[SeedRatio, ...]
 
 
-def _interval(d: dict) -> Interval:
+def interval_of(d: dict) -> Interval:
+    """An Interval from its capacity.json form ({mean, ci95: [lo, hi], n})."""
     lo, hi = d["ci95"]
     return Interval(d["mean"], lo, hi, d["n"])
 
@@ -69,8 +70,8 @@ def read_run(path: Path, traffic: str, pool: int, policy: str) -> RunRatio | Non
                       for s in pol["per_seed"] if s.get("capacity_rate_scale") and s["seed"] in full)
         if not seeds:
             return None
-        return RunRatio(label, tuple(data.get("commits", [])), _interval(ref["capacity_rate_scale"]),
-                        _interval(pol["capacity_rate_scale"]), _interval(pol["ratio_to_full"]), seeds)
+        return RunRatio(label, tuple(data.get("commits", [])), interval_of(ref["capacity_rate_scale"]),
+                        interval_of(pol["capacity_rate_scale"]), interval_of(pol["ratio_to_full"]), seeds)
     return None
 
 

@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 from tools.capacity.analysis import REFERENCE
-from tools.capacity.pooled import pool, read_run
+from tools.capacity.pooled import interval_of, pool, read_run
 from tools.capacity.report import TARGET_RATIO, TARGET_RATIO_LO
-from tools.capacity.stats import Interval
 
 SUMMARY_JSON = "results/replay/capacity.json"
 SUMMARY_PLOT = "results/replay/capacity_regime_map.png"
@@ -35,10 +34,9 @@ def cell_ratios(summary: dict) -> dict:
             for policy, figures in run["policies"].items():
                 r = figures.get("ratio_to_full")
                 if policy != REFERENCE and r and r.get("mean") is not None:
-                    ratios[policy] = Interval(r["mean"], r["ci95"][0], r["ci95"][1], r["n"])
+                    ratios[policy] = interval_of(r)
         for policy, pooled in c["pooled"].items():
-            r = pooled["ratio_per_run"]
-            ratios[policy] = Interval(r["mean"], r["ci95"][0], r["ci95"][1], r["n"])
+            ratios[policy] = interval_of(pooled["ratio_per_run"])
         out[(c["traffic"], c["pool_tokens"])] = ratios
     return out
 
@@ -83,7 +81,8 @@ def summarize(folders: list[Path]) -> dict:
                            "loss, per seed); `pooled`, where two or more runs measured a policy against full: the "
                            "ratio with each run counted once (per_run: quote this one) and with every (run, seed) "
                            "pair pooled (per_seed). Only ratios within a run compare: full's own capacity moves "
-                           "with the machine's speed.",
+                           "with the machine's speed. Each run's `report` holds every probe's commit, time and "
+                           "machine load.",
             "cells": sorted(cells.values(), key=lambda c: (c["traffic"], c["pool_tokens"]))}
 
 
