@@ -94,6 +94,14 @@ def reference_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return y
 
 
+def reference_lookup_q8(ids: Tensor, packed: Tensor, scales: Tensor, k: int) -> Tensor:
+    """The torch twin of the C++ `int8_lookup_q8`: rows `ids` of the packed layout (`int8_pack_q8`) dequantized,
+    fp32 [*ids.shape, k]."""
+    flat = ids.reshape(-1)
+    rows = packed[flat // 16, :, flat % 16, :].reshape(-1, k).to(torch.int16) - 128
+    return (rows.float() * scales[flat].unsqueeze(-1)).reshape(*ids.shape, k)
+
+
 class Int8Table:
     """int8 rows with fp32 per-row scales; `linear` for the LM head, `lookup` for the embedding.
 
@@ -177,10 +185,9 @@ class Int8Table:
         rows, packed = self._rows, self._packed
         if rows is not None:
             return rows[ids].float() * self.scales[ids].unsqueeze(-1)
-        flat = ids.reshape(-1)
-        k = self._shape[1]
-        rows = packed[flat // 16, :, flat % 16, :].reshape(-1, k).to(torch.int16) - 128
-        return (rows.float() * self.scales[flat].unsqueeze(-1)).reshape(*ids.shape, k)
+        if self._cpp is not None:
+            return self._cpp.int8_lookup_q8(ids.long(), packed, self.scales)
+        return reference_lookup_q8(ids, packed, self.scales, self._shape[1])
 
     def dequantize(self) -> Tensor:
         """The effective fp32 weight (tests, quality checks)."""

@@ -184,3 +184,30 @@ def test_fused_layer_rejects_bad_input_before_writing():
     assert all(torch.equal(a, s.kv) for a, s in zip(before, pool.segments))  # nothing written
     call()
     assert not all(torch.equal(a, s.kv) for a, s in zip(before, pool.segments))  # a valid call writes the new K/V
+
+
+@needs_kernels
+def test_the_run_cache_flattens_once_per_binding_and_a_rebind_drops_it(monkeypatch):
+    from trtllm_backend.layers import run_layers
+
+    monkeypatch.setenv("MORPHSERVE_FUSED_DECODE", "1")
+    lens = [6, 17, 2]
+    runs = fused.RunCache()
+    slots = [LayerSlot(i % CFG.num_layers, CFG, _layer(k), runs=runs) for i, k in enumerate(["int4", "fp16"])]
+    flattened = []
+    real = fused._flatten
+    monkeypatch.setattr(fused, "_flatten", lambda layers: flattened.append(len(layers)) or real(layers))
+
+    def run(cache):
+        pool, tables = _pool_with_sequences(lens)
+        plan = _decode_plan(pool, tables, lens)
+        h = torch.randn(len(lens), CFG.hidden_size, generator=torch.Generator().manual_seed(3))
+        _, cos, sin = _fused_inputs(lens)
+        return run_layers(slots, h, cos, sin, plan, cache)
+
+    first, again = run(runs), run(runs)
+    assert flattened == [2] and torch.equal(first, again)  # flattened once, then reused
+    assert torch.equal(first, run(None))  # the same as flattening every call
+    slots[1].bind(_layer("int4"), "int4")  # a rebind drops the cache: the new weights are used
+    assert torch.equal(run(runs), run(None)) and flattened == [2, 2, 2, 2]
+    assert not torch.equal(run(runs), first)

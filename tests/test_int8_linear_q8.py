@@ -148,6 +148,33 @@ def test_the_table_holds_one_packed_form_and_gives_back_its_rows_and_lookups(act
 
 
 @needs_vnni
+def test_lookup_op_equals_its_torch_twin_for_any_ids_shape():
+    t = table(53, 192, seed=21)  # 53 rows: the last block of 16 is padded
+    packed = t._packed if t._packed is not None else ns.int8_pack_q8(t.weight)
+    for ids in (torch.tensor([52]), torch.tensor([[0, 15, 16], [31, 52, 7]]), torch.randint(0, 53, (4, 2, 5)),
+                torch.empty(0, dtype=torch.long)):
+        got = ns.int8_lookup_q8(ids, packed, t.scales)
+        assert got.shape == (*ids.shape, 192)
+        assert torch.equal(got, int8_linear.reference_lookup_q8(ids, packed, t.scales, 192))
+
+
+@needs_vnni
+def test_lookup_op_rejects_bad_ids_and_tables():
+    t = table(20, 64, seed=22)
+    packed = ns.int8_pack_q8(t.weight)
+    with pytest.raises(RuntimeError, match="id 20 is outside the table's 20 rows"):
+        ns.int8_lookup_q8(torch.tensor([3, 20]), packed, t.scales)
+    with pytest.raises(RuntimeError, match="id -1 is outside"):
+        ns.int8_lookup_q8(torch.tensor([-1]), packed, t.scales)
+    with pytest.raises(RuntimeError, match="int64 CPU ids"):
+        ns.int8_lookup_q8(torch.tensor([1.0]), packed, t.scales)
+    with pytest.raises(RuntimeError, match="packed table"):
+        ns.int8_lookup_q8(torch.tensor([1]), t.weight, t.scales)
+    with pytest.raises(RuntimeError, match="scales of at most 32 rows"):
+        ns.int8_lookup_q8(torch.tensor([1]), packed, torch.ones(33))
+
+
+@needs_vnni
 def test_changing_the_activations_re_lays_out_live_tables_holding_one_form(activations):
     activations("int8")
     t = table(40, 128, seed=14)

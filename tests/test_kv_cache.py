@@ -152,3 +152,39 @@ def test_decode_slot_table_matches_the_per_position_one():
         got = _decode_slots(dec, L, bs, torch.tensor([s.ctx_len for s in dec]))
         assert got.is_contiguous() and torch.equal(got, want)
     assert sizes == {False, True}
+
+
+def test_decode_locations_equal_the_slot_table_located_in_the_segments():
+    """attention._decode_locations (segment and local slot of every decode position, built in Python) equals
+    KVPool.locate_slots of attention._decode_slots, padding included, over pools of one to four segments and
+    with a segment released in the middle."""
+    import random
+
+    from trtllm_backend.attention import SeqSlice, _decode_locations, _decode_slots
+
+    rng = random.Random(2)
+    for trial in range(120):
+        bs = rng.choice([1, 2, 4, 16])
+        p = pool(blocks=rng.randint(8, 40), bs=bs)
+        for _ in range(rng.randint(0, 3)):
+            p.add_segment(rng.randint(4, 40))
+        if trial % 3 == 0 and len(p.segments) > 2:
+            p.release_segment(p.segments[1])
+        owned = [b for seg in p.segments for b in range(seg.base, seg.base + seg.num_blocks)]
+        dec = []
+        for i in range(rng.randint(1, 6)):
+            ctx = rng.randint(1, 6 * bs)
+            dec.append(SeqSlice(i, 1, ctx, rng.sample(owned, -(-ctx // bs))))
+        L = max(s.ctx_len for s in dec)
+        which, local = p.locate_slots(_decode_slots(dec, L, bs, torch.tensor([s.ctx_len for s in dec])))
+        got_which, got_local = _decode_locations(p, dec, L)
+        assert got_which.is_contiguous() and got_local.is_contiguous()
+        assert torch.equal(got_which, which) and torch.equal(got_local, local)
+
+
+def test_decode_locations_name_a_block_outside_the_pool():
+    from trtllm_backend.attention import SeqSlice, _decode_locations
+
+    p = pool(blocks=4, bs=2)
+    with pytest.raises(KeyError, match="block 9 belongs to no segment"):
+        _decode_locations(p, [SeqSlice(0, 1, 3, [1, 9])], 3)

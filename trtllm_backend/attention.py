@@ -56,6 +56,31 @@ def _decode_slots(dec: list[SeqSlice], L: int, bs: int, lens: torch.Tensor) -> t
     return torch.where(torch.arange(L)[None, :] >= lens[:, None], slots[:, :1], slots)
 
 
+def _decode_locations(pool: KVPool, dec: list[SeqSlice], L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment index, slot within the segment) [B, L] of every cached position of each decode sequence, built
+    in Python as one tensor (what `_decode_slots` + `KVPool.locate_slots` give, in one torch call instead of
+    three to five: each one misses the caches right after a forward); padding reads the sequence's first slot."""
+    bs = pool.block_size
+    bounds = [(seg.base, seg.base + seg.num_blocks, i) for i, seg in enumerate(pool.segments)]
+    where, local = [], []
+    for s in dec:
+        seg_row, slot_row = [], []
+        for block in s.block_table[: -(-s.ctx_len // bs)]:
+            for lo, hi, i in bounds:
+                if lo <= block < hi:
+                    break
+            else:
+                raise KeyError(f"block {block} belongs to no segment")
+            first = (block - lo) * bs
+            seg_row += [i] * bs
+            slot_row += range(first, first + bs)
+        pad = L - s.ctx_len
+        where.append(seg_row[: s.ctx_len] + seg_row[:1] * pad)
+        local.append(slot_row[: s.ctx_len] + slot_row[:1] * pad)
+    segment_of, slot_of = torch.tensor([where, local], dtype=torch.long).unbind(0)
+    return segment_of, slot_of
+
+
 class AttentionPlan:
     """What plugins.paged_attention reads: `write`, the decode group (`decode_*`, `fused_decode`), `prefills`,
     `kv_dtype` and `head_dim`."""
@@ -86,11 +111,16 @@ class AttentionPlan:
         if dec:
             L = self.decode_len
             lens = torch.tensor([s.ctx_len for s in dec])
-            slots = _decode_slots(dec, L, bs, lens)
-            if (op := decode_kernel_op(pool.dtype, pool.segments[0].kv.is_cuda)) is not None:
+            op = decode_kernel_op(pool.dtype, pool.segments[0].kv.is_cuda)
+            if op is not None and len(dec) * L <= SLOT_LOOP_MAX:
+                self.decode_kernel = (op, [seg.kv for seg in pool.segments], *_decode_locations(pool, dec, L), lens)
+                self.fused_decode = self.decode_only
+            elif op is not None:
+                slots = _decode_slots(dec, L, bs, lens)
                 self.decode_kernel = (op, [seg.kv for seg in pool.segments], *pool.locate_slots(slots), lens)
                 self.fused_decode = self.decode_only
             else:
+                slots = _decode_slots(dec, L, bs, lens)
                 self.decode_gather = pool.split_slots(slots.flatten())
                 valid = torch.arange(L)[None, :] < lens[:, None]
                 self.decode_mask = None if bool(valid.all()) else valid[:, None, None, :]

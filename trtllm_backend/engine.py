@@ -56,6 +56,7 @@ class LLMEngine:
 
         self.tokenizer = Tokenizer(self.manifest)
         self._eos_ids = sorted(self.tokenizer.eos_token_ids)
+        self._eos_index = torch.tensor(self._eos_ids, dtype=torch.long)
         self.model = LlamaModel(self.store, self.max_model_len)
         self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device)
         self.pool.add_segment(config.base_kv_blocks)
@@ -313,7 +314,10 @@ class LLMEngine:
                 rows.append(start - 1)
                 samplers.append(req)
         plan = AttentionPlan(self.pool, seqs)
-        logits = self.model.forward(torch.tensor(ids), torch.tensor(pos), plan, torch.tensor(rows, dtype=torch.long))
+        # NOTE: every row samples in a pure decode step: no gather of the rows (a torch call that misses the
+        # caches right after the layers streamed the weights through them).
+        logit_rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)
+        logits = self.model.forward(torch.tensor(ids), torch.tensor(pos), plan, logit_rows)
         for req, n in sched.scheduled:
             req.num_computed += n
             self.counters.prompt_tokens += n if req.num_output == 0 else 0
@@ -341,12 +345,10 @@ class LLMEngine:
 
     def _mask_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [r for r, req in enumerate(reqs) if req.params.ignore_eos or req.num_output < req.params.min_tokens]
-        if len(rows) == len(reqs):  # every row: a column fill per end-of-sequence id, no index tensors
-            for e in self._eos_ids:
-                logits[:, e] = float("-inf")
+        if len(rows) == len(reqs):  # every row: one column fill of the end-of-sequence ids
+            logits.index_fill_(1, self._eos_index, float("-inf"))
         elif rows:  # one indexed write for the rows that need it
-            eos = torch.tensor(self._eos_ids, dtype=torch.long)
-            logits[torch.tensor(rows, dtype=torch.long)[:, None], eos[None, :]] = float("-inf")
+            logits[torch.tensor(rows, dtype=torch.long)[:, None], self._eos_index[None, :]] = float("-inf")
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(req)

@@ -68,17 +68,21 @@ def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, weight_dty
 class LayerSlot:
     """One decoder layer position; `weights` is the fragment it is bound to now."""
 
-    def __init__(self, index: int, config: ModelConfig, weights: LayerWeights, precision: str = Precision.FULL):
+    def __init__(self, index: int, config: ModelConfig, weights: LayerWeights, precision: str = Precision.FULL,
+                 runs: fused.RunCache | None = None):
         self.index = index
         self.config = config
         self.weights = weights
         self.precision = precision
         self._fused: tuple | None = None  # fused_args() for `weights`, built on first use
+        self._runs = runs  # the model's flattened runs of fused layers, dropped when any layer is rebound
 
     def bind(self, weights: LayerWeights, precision: str) -> LayerWeights:
         """Rebind to another fragment (engine thread, between iterations); returns the old weights."""
         old, self.weights, self.precision = self.weights, weights, precision
         self._fused = None
+        if self._runs is not None:
+            self._runs.clear()
         return old
 
     def fused_args(self) -> tuple[list, list] | None:
@@ -113,9 +117,11 @@ class LayerSlot:
         return paged_attention(q, k.to(plan.kv_dtype), v.to(plan.kv_dtype), self.index, plan).reshape(T, q_dim)
 
 
-def run_layers(slots: list[LayerSlot], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def run_layers(slots: list[LayerSlot], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+               runs: fused.RunCache | None = None) -> torch.Tensor:
     """h through every slot in turn. In a pure decode step that the fused op takes, each run of consecutive
-    fusable layers is one C++ call (all of them, unless some layer is INT8); the others run op by op."""
+    fusable layers is one C++ call (all of them, unless some layer is INT8); the others run op by op. `runs`:
+    the RunCache the slots were made with (their arguments flattened once per binding)."""
     if not (plan.fused_decode and fused.applies(h)):
         for slot in slots:
             h = slot.forward(h, cos, sin, plan)
@@ -127,7 +133,7 @@ def run_layers(slots: list[LayerSlot], h: torch.Tensor, cos: torch.Tensor, sin: 
             run.append((slot.index, args))
             continue
         if run:
-            h = fused.decode_layers(h, run, cos, sin, plan, c.num_heads, c.rms_norm_eps)
+            h = fused.decode_layers(h, run, cos, sin, plan, c.num_heads, c.rms_norm_eps, runs)
             run = []
         h = slot.forward(h, cos, sin, plan)
-    return fused.decode_layers(h, run, cos, sin, plan, c.num_heads, c.rms_norm_eps) if run else h
+    return fused.decode_layers(h, run, cos, sin, plan, c.num_heads, c.rms_norm_eps, runs) if run else h

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from plugins.decode_layer import RunCache
 from plugins.elementwise import rms_norm
 
 from .attention import AttentionPlan
@@ -20,7 +21,8 @@ class LlamaModel:
         # The embedding and the LM head: one table when tied (a swappable unit, trtllm_backend/head.py).
         untied = shared.get("lm_head.weight")
         self.head = HeadSlot(DenseTable(shared["model.embed_tokens.weight"]), None if untied is None else DenseTable(untied))
-        self.slots = [LayerSlot(i, self.config, store.load_layer(i)) for i in range(self.config.num_layers)]
+        self._runs = RunCache()
+        self.slots = [LayerSlot(i, self.config, store.load_layer(i), runs=self._runs) for i in range(self.config.num_layers)]
         self.cos, self.sin = self._rope_tables(max_positions)
 
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,10 +51,14 @@ class LlamaModel:
         return self.shared_nbytes + sum(s.weights.nbytes for s in self.slots)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Flattened tokens of all scheduled sequences -> fp32 logits of the rows that sample."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Flattened tokens of all scheduled sequences -> fp32 logits of the rows that sample (`logit_rows`; None:
+        every row, as in a pure decode step)."""
         h = self.head.embed(input_ids).to(self.norm.dtype)  # fp16-stored or INT8 table -> compute dtype
-        cos, sin = self.cos[positions], self.sin[positions]
-        h = run_layers(self.slots, h, cos, sin, plan)
-        h = rms_norm(h.index_select(0, logit_rows), self.norm, self.config.rms_norm_eps)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        h = run_layers(self.slots, h, cos, sin, plan, self._runs)
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
+        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
         return self.head.logits(h).float()

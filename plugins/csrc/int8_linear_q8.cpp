@@ -176,14 +176,53 @@ at::Tensor int8_linear_q8(const at::Tensor& input, const at::Tensor& packed, con
 
 bool int8_linear_q8_supported() { return cpu_has_avx512_vnni(); }
 
+// The table's rows `ids` (any shape) dequantized from the packed layout -> fp32 [*ids.shape, K]: the embedding
+// lookup of a decode step in one call (the torch twin in int8_linear.py, gather + widen + scale, is ~10 ops, each
+// paying a cold dispatch right after a forward). Each value is (byte - 128) * scale, as there: bitwise the same.
+at::Tensor int8_lookup_q8(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.device().is_cpu(), "int8_lookup_q8: int64 CPU ids expected, got ",
+              ids.scalar_type());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 4 &&
+                  packed.is_contiguous(),
+              "int8_lookup_q8: a contiguous uint8 packed table [blocks, K/4, ", kCols, ", 4] expected, got ", packed.sizes());
+  const int64_t NB = packed.size(0), K4 = packed.size(1), K = K4 * 4;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.is_contiguous() &&
+                  scales.size(0) <= NB * kCols,
+              "int8_lookup_q8: contiguous fp32 scales of at most ", NB * kCols, " rows expected, got ", scales.sizes());
+  const int64_t N = scales.size(0);
+  const at::Tensor flat = ids.contiguous().view(-1);
+  const int64_t* ip = flat.data_ptr<int64_t>();
+  const int64_t R = flat.numel();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "int8_lookup_q8: id ", ip[r], " is outside the table's ", N, " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  at::Tensor out = at::empty(shape, scales.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t id = ip[r], block = id / kCols, lane = id % kCols;
+    const uint8_t* src = wp + (block * K4 * kCols + lane) * 4;  // input k of the row: src[(k / 4) * kCols * 4 + k % 4]
+    const float scale = sp[id];
+    float* dst = op + r * K;
+    for (int64_t k4 = 0; k4 < K4; ++k4)
+      for (int c = 0; c < 4; ++c)
+        dst[k4 * 4 + c] = static_cast<float>(static_cast<int32_t>(src[k4 * kCols * 4 + c]) - 128) * scale;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("int8_pack_q8(Tensor weight) -> Tensor");
   m.def("int8_linear_q8(Tensor input, Tensor packed, Tensor scales) -> Tensor");
   m.def("int8_linear_q8_supported() -> bool", int8_linear_q8_supported);  // no tensors: a catch-all kernel
+  m.def("int8_lookup_q8(Tensor ids, Tensor packed, Tensor scales) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) {
   m.impl("int8_pack_q8", int8_pack_q8);
   m.impl("int8_linear_q8", int8_linear_q8);
+  m.impl("int8_lookup_q8", int8_lookup_q8);
 }
