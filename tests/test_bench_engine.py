@@ -59,3 +59,11 @@ def test_prefetch_ab_times_both_settings_and_puts_the_built_in_distance_back():
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["off_step_s"] > 0 and r["on_step_s"] > 0 for r in rows)
     assert cpu_kernels.ops().int4_prefetch(-1) == bench_engine.DEFAULT_PREFETCH > 0
+
+
+def test_read_bandwidth_on_one_thread_keeps_the_engine_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    assert bench_engine.read_bandwidth(threads=1) > 0
+    assert torch.get_num_threads() == before
