@@ -160,7 +160,8 @@ def _int8_reference(x: torch.Tensor, n: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", [100, 8, 1])
 def test_int4_dequantize_gives_the_reference_weights(n):
     q, a, ref = _int4(n, 576)
-    assert q.shape == ((n + 7) // 8, 576 // 8, 32)  # the same bytes as the portable nibbles, rows padded to 8
+    # the same bytes as the portable nibbles and bf16 scales/zeros (rows padded to 8), all in one stream
+    assert q.shape == ((n + 7) // 8, 576 // 8 + 576 // 32, 32) and a.numel() == 0
     torch.testing.assert_close(ns.int4_dequantize(q, a, n, 32), ref, rtol=1e-6, atol=1e-7)
 
 
@@ -382,8 +383,10 @@ def test_int4_linear_rejects_bad_input():
         ns.int4_linear(x, q, a, None, 8, 24, 48)
     with pytest.raises(RuntimeError, match="9 output features do not fit 1 packed blocks"):
         ns.int4_linear(x, q, a, None, 9, 32, 48)
-    with pytest.raises(RuntimeError, match=r"scales/zeros \[N/8, K/G, 2, 8\]"):
-        ns.int4_linear(x, q, a.transpose(0, 1).contiguous(), None, 8, 32, 48)
+    with pytest.raises(RuntimeError, match="scales and zeros are inside the packed weight"):
+        ns.int4_linear(x, q, torch.zeros(1, 2, 2, 8, dtype=torch.bfloat16), None, 8, 32, 48)
+    with pytest.raises(RuntimeError, match="group size 16 does not fit"):
+        ns.int4_linear(x, q, a, None, 8, 16, 48)
     with pytest.raises(RuntimeError, match="fp32 CPU input"):
         ns.int4_linear(x.double(), q, a, None, 8, 32, 48)
     with pytest.raises(RuntimeError, match=r"fp32 pre_scale \[64\]"):

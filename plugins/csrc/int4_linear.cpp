@@ -10,7 +10,7 @@
 //   load holds 8 consecutive inputs of each of the 8 rows (input k = 8c + j in bits 4j..4j+3 of row r's
 //   32-bit word), so one shift and one mask give the next input of all 8 rows: no shuffles, no permuted x,
 //   and the 8 outputs come out as one vector (no horizontal sums). Scales and zeros are regrouped the same way
-//   (still bf16, the same bytes).
+//   (still bf16, the same bytes) and stored after each group's nibbles, in the same stream (Packed).
 // - Scaling per group, not per weight: y = sum_g s_g * (x_g . q_g) + (z_g - 8 s_g) * sum(x_g). The inner loop
 //   is one mask, one int->float convert and one FMA per 8 weights and row of x (nibble_in_place).
 // - Four row blocks per tile: four independent FMA chains at batch 1.
@@ -51,13 +51,12 @@ void check_portable(const at::Tensor& qweight, const at::Tensor& sz, int64_t G) 
 std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweight, const at::Tensor& sz, int64_t G) {
   check_portable(qweight, sz, G);
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2, groups = K / G, blocks = (N + kLanes - 1) / kLanes;
-  at::Tensor packed = at::zeros({blocks, K / 8, kLanes * 4}, at::kByte);
-  at::Tensor affine = at::zeros({blocks, groups, 2, kLanes}, at::kBFloat16);
+  // Per block, per group: its G/8 chunks of 32 bytes, then 32 bytes of scales and zeros (Packed).
+  at::Tensor packed = at::zeros({blocks, K / 8 + groups, kLanes * 4}, at::kByte);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint32_t* pq = reinterpret_cast<uint32_t*>(packed.data_ptr<uint8_t>());
-  const Packed layout{pq, nullptr, K, G, groups, blocks};
-  uint16_t* pa = reinterpret_cast<uint16_t*>(affine.data_ptr<at::BFloat16>());
+  const Packed layout{pq, K, G, groups, blocks};
   for (int64_t n = 0; n < N; ++n) {
     const int64_t b = n / kLanes, r = n % kLanes;
     for (int64_t c = 0; c < K / 8; ++c) {
@@ -70,9 +69,10 @@ std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweight, const at
       const_cast<uint32_t*>(layout.word(b, c))[r] = word;
     }
     for (int64_t g = 0; g < groups; ++g)
-      for (int t = 0; t < 2; ++t) pa[((b * groups + g) * 2 + t) * kLanes + r] = s[(n * groups + g) * 2 + t];
+      for (int t = 0; t < 2; ++t)
+        const_cast<uint16_t*>(layout.block_affine(b, g))[t * kLanes + r] = s[(n * groups + g) * 2 + t];
   }
-  return {packed, affine};
+  return {packed, at::empty({0}, at::kBFloat16)};  // the scales and zeros are inside `packed`
 }
 
 

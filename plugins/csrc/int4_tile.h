@@ -34,21 +34,40 @@ inline bool int8_activations(int64_t K, int64_t G) {
   return activation_bits.load(std::memory_order_relaxed) == 8 && G % kQBlock == 0 && K % kQBlock == 0;
 }
 
-// The packed weight: tiles of kTileBlocks blocks (the last may have fewer), stored one after the other; in a
-// tile, chunk c (inputs 8c..8c+7) of its blocks side by side, so a tile is one contiguous stream of memory and
-// consecutive tiles continue it (separate short streams per block left the hardware prefetcher behind: the
-// nibbles streamed from memory at 9 GB/s on one core against 14 GB/s from L2). Word r of block b's chunk c
-// holds row 8b + r's inputs 8c + j at bits 4j. Scales and zeros: affine[((b * groups + g) * 2 + t) * 8 + r],
-// t = 0 scale, 1 zero.
+// The packed weight: tiles of kTileBlocks blocks (the last may have fewer), stored one after the other, and in a
+// tile its groups one after the other: group g holds chunks c = g G/8 .. (g+1) G/8 - 1 (inputs 8c..8c+7) of
+// the tile's blocks side by side, then the group's scales and zeros, block by block. A tile is one contiguous
+// stream of memory and consecutive tiles continue it (separate short streams per block left the hardware
+// prefetcher behind: the nibbles streamed from memory at 9 GB/s on one core against 14 GB/s from L2; the scales
+// and zeros, held apart block by block until 2026-12, were four more short streams per tile that a one-row pass
+// stalled on: tools/microbench/int4_affine_layout.cpp, docs/fused-decode.md). Word r of block b's chunk c holds
+// row 8b + r's inputs 8c + j at bits 4j. A block's scales and zeros for a group: 8 bf16 scales then 8 bf16
+// zeros (rows 8b .. 8b + 7), 8 words.
 struct Packed {
   const uint32_t* q;
-  const uint16_t* affine;
   int64_t K, G, groups, blocks;
-  const uint32_t* word(int64_t b, int64_t c) const {
-    const int64_t t = b / kTileBlocks, nb = std::min(kTileBlocks, blocks - t * kTileBlocks);
-    return q + t * kTileBlocks * (K / 8) * kLanes + (c * nb + b % kTileBlocks) * kLanes;
+  // Words of one block in one group: its G/8 chunks and its scales and zeros.
+  int64_t block_group_words() const { return (G / 8 + 1) * kLanes; }
+  // Group g's area in the tile of block b, and the blocks in that tile.
+  const uint32_t* group_area(int64_t b, int64_t g, int64_t& nb) const {
+    const int64_t t = b / kTileBlocks;
+    nb = std::min(kTileBlocks, blocks - t * kTileBlocks);
+    return q + (t * kTileBlocks * groups + g * nb) * block_group_words();
   }
-  const uint16_t* block_affine(int64_t b, int64_t g) const { return affine + (b * groups + g) * 2 * kLanes; }
+  // Chunk cc (0 .. G/8 - 1) of group g of block b: what the hot loops read (no division by G/8).
+  const uint32_t* group_word(int64_t b, int64_t g, int64_t cc) const {
+    int64_t nb;
+    const uint32_t* area = group_area(b, g, nb);
+    return area + (cc * nb + b % kTileBlocks) * kLanes;
+  }
+  const uint32_t* word(int64_t b, int64_t c) const { return group_word(b, c / (G / 8), c % (G / 8)); }
+  const uint16_t* block_affine(int64_t b, int64_t g) const {
+    int64_t nb;
+    const uint32_t* area = group_area(b, g, nb);
+    return reinterpret_cast<const uint16_t*>(area + (nb * (G / 8) + b % kTileBlocks) * kLanes);
+  }
+  // Bytes of the whole packed weight.
+  int64_t bytes() const { return blocks * groups * block_group_words() * 4; }
 };
 
 // An input prepared for the tiles (prepare_input): per group sum(x_g), and either x pre-scaled for
@@ -125,7 +144,7 @@ inline void group_regs(const Packed& p, int64_t b0, int64_t g, const float* x, i
   for (int64_t k = g * p.G; k < (g + 1) * p.G; k += 8) {
     __m256i v[NB];
     for (int b = 0; b < NB; ++b)
-      v[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.word(b0 + b, k / 8)));
+      v[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_word(b0 + b, g, (k - g * p.G) / 8)));
     chunk_regs<MT, NB>(x + k, ldx, v, part);
   }
   finish_group<MT, NB>(p, b0, g, xsum, p.groups, part, tot, ldt);
@@ -136,7 +155,7 @@ template <int NB>
 inline void unpack_group(const Packed& p, int64_t b0, int64_t g, float* buf) {
   for (int64_t kk = 0; kk < p.G; kk += 8)
     for (int b = 0; b < NB; ++b) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.word(b0 + b, (g * p.G + kk) / 8)));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_word(b0 + b, g, kk / 8)));
       float* o = buf + (kk * NB + b) * kLanes;
       _mm256_storeu_ps(o + 0 * NB * kLanes, nibble_in_place<0>(v));
       _mm256_storeu_ps(o + 1 * NB * kLanes, nibble_in_place<1>(v));
@@ -196,11 +215,11 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
         xo[m] = _mm256_set1_epi32(o);
       }
       if (ahead > 0) {  // as rows_q8_vnni: the chunk's NB * 32 bytes, `ahead` bytes on
-        const char* at = reinterpret_cast<const char*>(p.word(b0, k / 8)) + ahead;
+        const char* at = reinterpret_cast<const char*>(p.group_word(b0, g, (k - g * p.G) / 8)) + ahead;
         for (int64_t line = 0; line < NB * 32; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
       }
       for (int b = 0; b < NB; ++b) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.word(b0 + b, k / 8)));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_word(b0 + b, g, (k - g * p.G) / 8)));
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         for (int m = 0; m < MT; ++m)
           acc[m][b] = _mm256_add_epi16(acc[m][b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe[m]),
@@ -279,12 +298,12 @@ MS_AVX512_VNNI inline void rows_q8_vnni(const Packed& p, int64_t b0, const int8_
           for (int c = 0; c < NC; ++c) acc[m][z][c] = _mm512_setzero_si512();
       for (int64_t k = k0; k < k0 + kQBlock; k += 8) {
         if (ahead > 0) {  // the chunk is NZ * 64 bytes: one prefetch per cache line, `ahead` bytes on
-          const char* at = reinterpret_cast<const char*>(p.word(b0, k / 8)) + ahead;
+          const char* at = reinterpret_cast<const char*>(p.group_word(b0, g, (k - g * p.G) / 8)) + ahead;
           for (int z = 0; z < NZ; ++z) _mm_prefetch(at + 64 * z, _MM_HINT_T0);
         }
         for (int z = 0; z < NZ; ++z) {
           // blocks b0 + 2z and b0 + 2z + 1 of a full tile sit side by side in each chunk (Packed::word)
-          const __m512i v = _mm512_loadu_si512(p.word(b0 + 2 * z, k / 8));
+          const __m512i v = _mm512_loadu_si512(p.group_word(b0 + 2 * z, g, (k - g * p.G) / 8));
           const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           for (int m = 0; m < MT; ++m) {
             int32_t e, o;
@@ -427,18 +446,18 @@ inline void prepare_input(const float* x, int64_t M, int64_t K, int64_t G, const
 }
 
 inline Packed check_packed(const at::Tensor& packed, const at::Tensor& affine, int64_t N, int64_t G) {
+  TORCH_CHECK(G > 0 && G % 8 == 0, "int4: group size ", G, " must be a multiple of 8");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kLanes * 4 &&
                   packed.is_contiguous(),
-              "int4_linear: packed weight [N/8, K/8, 32] uint8 from int4_pack expected");
-  const int64_t blocks = packed.size(0), K = packed.size(1) * 8;
+              "int4_linear: packed weight [N/8, K/8 + K/G, 32] uint8 from int4_pack expected, got ", packed.sizes());
+  TORCH_CHECK(packed.size(1) % (G / 8 + 1) == 0, "int4: group size ", G, " does not fit the packed weight's ",
+              packed.size(1), " chunks of 32 bytes per block (K/8 + K/G; packed with another group size?)");
+  const int64_t blocks = packed.size(0), groups = packed.size(1) / (G / 8 + 1), K = groups * G;
   TORCH_CHECK(N > (blocks - 1) * kLanes && N <= blocks * kLanes, "int4_linear: ", N, " output features do not fit ",
               blocks, " packed blocks of 8 rows");
-  TORCH_CHECK(G > 0 && G % 8 == 0 && K % G == 0, "int4: group size ", G, " must be a multiple of 8 that divides K = ", K);
-  TORCH_CHECK(affine.scalar_type() == at::kBFloat16 && affine.is_contiguous() && affine.dim() == 4 &&
-                  affine.size(0) == blocks && affine.size(1) == K / G && affine.size(2) == 2 && affine.size(3) == kLanes,
-              "int4_linear: bf16 scales/zeros [N/8, K/G, 2, 8] = [", blocks, ", ", K / G, ", 2, 8] from int4_pack expected");
-  return Packed{reinterpret_cast<const uint32_t*>(packed.data_ptr<uint8_t>()),
-                reinterpret_cast<const uint16_t*>(affine.data_ptr<at::BFloat16>()), K, G, K / G, blocks};
+  TORCH_CHECK(affine.numel() == 0, "int4_linear: the scales and zeros are inside the packed weight (int4_pack gives "
+              "an empty second tensor), got a tensor of ", affine.sizes());
+  return Packed{reinterpret_cast<const uint32_t*>(packed.data_ptr<uint8_t>()), K, G, K / G, blocks};
 }
 
 inline int64_t num_tiles(const Packed& p) { return (p.blocks + kTileBlocks - 1) / kTileBlocks; }
