@@ -44,13 +44,17 @@ profile: setup
 # second burst, then the report with both (results/replay/default/, ~40 min; docs/replay.md); then capacity by
 # bisection for every traffic kind, pool, policy and seed (results/replay/capacity/; hours, resumable: docs/capacity.md),
 # gathered with the other committed capacity runs into results/replay/capacity.json.
+# Every committed capacity run, oldest first (the summary names the last one of a cell `latest`).
+CAPACITY_RUNS := $(addprefix results/replay/,capacity capacity_int8act capacity_fp16kv capacity_pool256_drainfix \
+	capacity_pool256_widetile capacity_pool256_seeds345 capacity_pool256_seeds67 capacity_pool256_tpot capacity_frontier)
+
 replay: setup
 	$(PY) -m tools.replay.compare --name default --no-progress
 	$(PY) -m tools.replay.compare --name default --policies full,balanced --window-start 2260 --window 50 \
 		--sweep 0.04,0.06,0.08,0.10,0.12 --no-progress
 	$(PY) -m tools.replay.compare --name default --report-only
 	$(PY) -m tools.capacity
-	$(PY) -m tools.capacity.summary $$(ls -d results/replay/capacity*/ | grep -v '/capacity/$$') results/replay/capacity
+	$(PY) -m tools.capacity.summary $(CAPACITY_RUNS)
 
 replay-quick: setup
 	$(PY) -m tools.replay.compare --quick

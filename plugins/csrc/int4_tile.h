@@ -61,13 +61,23 @@ struct Packed {
     return area + (cc * nb + b % kTileBlocks) * kLanes;
   }
   const uint32_t* word(int64_t b, int64_t c) const { return group_word(b, c / (G / 8), c % (G / 8)); }
+  // Group g of the tile that holds block b0, as the hot loops walk it: chunk cc of block b0 + j is
+  // `first + cc * stride + j * kLanes` (worked out once per group, not per chunk).
+  struct Chunks {
+    const uint32_t* first;
+    int64_t stride;
+    const uint32_t* at(int64_t cc) const { return first + cc * stride; }
+  };
+  Chunks chunks(int64_t b0, int64_t g) const {
+    int64_t nb;
+    const uint32_t* area = group_area(b0, g, nb);
+    return {area + (b0 % kTileBlocks) * kLanes, nb * kLanes};
+  }
   const uint16_t* block_affine(int64_t b, int64_t g) const {
     int64_t nb;
     const uint32_t* area = group_area(b, g, nb);
     return reinterpret_cast<const uint16_t*>(area + (nb * (G / 8) + b % kTileBlocks) * kLanes);
   }
-  // Bytes of the whole packed weight.
-  int64_t bytes() const { return blocks * groups * block_group_words() * 4; }
 };
 
 // An input prepared for the tiles (prepare_input): per group sum(x_g), and either x pre-scaled for
@@ -141,10 +151,11 @@ inline void group_regs(const Packed& p, int64_t b0, int64_t g, const float* x, i
   __m256 part[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b) part[m][b] = _mm256_setzero_ps();
+  const Packed::Chunks gc = p.chunks(b0, g);
   for (int64_t k = g * p.G; k < (g + 1) * p.G; k += 8) {
     __m256i v[NB];
-    for (int b = 0; b < NB; ++b)
-      v[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_word(b0 + b, g, (k - g * p.G) / 8)));
+    const uint32_t* chunk = gc.at((k - g * p.G) / 8);
+    for (int b = 0; b < NB; ++b) v[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + b * kLanes));
     chunk_regs<MT, NB>(x + k, ldx, v, part);
   }
   finish_group<MT, NB>(p, b0, g, xsum, p.groups, part, tot, ldt);
@@ -153,9 +164,10 @@ inline void group_regs(const Packed& p, int64_t b0, int64_t g, const float* x, i
 // Group g of NB blocks unpacked to floats: buf[(kk * NB + b) * 8 + r] = q of row r of block b at input g*G+kk.
 template <int NB>
 inline void unpack_group(const Packed& p, int64_t b0, int64_t g, float* buf) {
+  const Packed::Chunks gc = p.chunks(b0, g);
   for (int64_t kk = 0; kk < p.G; kk += 8)
     for (int b = 0; b < NB; ++b) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_word(b0 + b, g, kk / 8)));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gc.at(kk / 8) + b * kLanes));
       float* o = buf + (kk * NB + b) * kLanes;
       _mm256_storeu_ps(o + 0 * NB * kLanes, nibble_in_place<0>(v));
       _mm256_storeu_ps(o + 1 * NB * kLanes, nibble_in_place<1>(v));
@@ -198,6 +210,7 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
                      const float* xsum, float* tot, int64_t ldt, int64_t ahead) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t qblocks = K / kQBlock;
+  const Packed::Chunks gc = p.chunks(b0, g);
   __m256 part[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b) part[m][b] = _mm256_setzero_ps();
@@ -214,12 +227,13 @@ inline void group_q8(const Packed& p, int64_t b0, int64_t g, const int8_t* xq, c
         xe[m] = _mm256_set1_epi32(e);
         xo[m] = _mm256_set1_epi32(o);
       }
+      const uint32_t* chunk = gc.at((k - g * p.G) / 8);
       if (ahead > 0) {  // as rows_q8_vnni: the chunk's NB * 32 bytes, `ahead` bytes on
-        const char* at = reinterpret_cast<const char*>(p.group_word(b0, g, (k - g * p.G) / 8)) + ahead;
+        const char* at = reinterpret_cast<const char*>(chunk) + ahead;
         for (int64_t line = 0; line < NB * 32; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
       }
       for (int b = 0; b < NB; ++b) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.group_word(b0 + b, g, (k - g * p.G) / 8)));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + b * kLanes));
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         for (int m = 0; m < MT; ++m)
           acc[m][b] = _mm256_add_epi16(acc[m][b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe[m]),
@@ -288,6 +302,7 @@ MS_AVX512_VNNI inline void rows_q8_vnni(const Packed& p, int64_t b0, const int8_
   for (int m = 0; m < MT; ++m)
     for (int z = 0; z < NZ; ++z) total[m][z] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
+    const Packed::Chunks gc = p.chunks(b0, g);
     __m512 part[MT][NZ];
     for (int m = 0; m < MT; ++m)
       for (int z = 0; z < NZ; ++z) part[m][z] = _mm512_setzero_ps();
@@ -297,13 +312,14 @@ MS_AVX512_VNNI inline void rows_q8_vnni(const Packed& p, int64_t b0, const int8_
         for (int z = 0; z < NZ; ++z)
           for (int c = 0; c < NC; ++c) acc[m][z][c] = _mm512_setzero_si512();
       for (int64_t k = k0; k < k0 + kQBlock; k += 8) {
+        const uint32_t* chunk = gc.at((k - g * p.G) / 8);
         if (ahead > 0) {  // the chunk is NZ * 64 bytes: one prefetch per cache line, `ahead` bytes on
-          const char* at = reinterpret_cast<const char*>(p.group_word(b0, g, (k - g * p.G) / 8)) + ahead;
+          const char* at = reinterpret_cast<const char*>(chunk) + ahead;
           for (int z = 0; z < NZ; ++z) _mm_prefetch(at + 64 * z, _MM_HINT_T0);
         }
         for (int z = 0; z < NZ; ++z) {
-          // blocks b0 + 2z and b0 + 2z + 1 of a full tile sit side by side in each chunk (Packed::word)
-          const __m512i v = _mm512_loadu_si512(p.group_word(b0 + 2 * z, g, (k - g * p.G) / 8));
+          // blocks b0 + 2z and b0 + 2z + 1 of a full tile sit side by side in each chunk (Packed)
+          const __m512i v = _mm512_loadu_si512(chunk + 2 * z * kLanes);
           const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
           for (int m = 0; m < MT; ++m) {
             int32_t e, o;
