@@ -112,12 +112,11 @@ class AttentionPlan:
             L = self.decode_len
             lens = torch.tensor([s.ctx_len for s in dec])
             op = decode_kernel_op(pool.dtype, pool.segments[0].kv.is_cuda)
-            if op is not None and len(dec) * L <= SLOT_LOOP_MAX:
-                self.decode_kernel = (op, [seg.kv for seg in pool.segments], *_decode_locations(pool, dec, L), lens)
-                self.fused_decode = self.decode_only
-            elif op is not None:
-                slots = _decode_slots(dec, L, bs, lens)
-                self.decode_kernel = (op, [seg.kv for seg in pool.segments], *pool.locate_slots(slots), lens)
+            if op is not None:
+                # small plans: located in Python, one torch call; larger ones with torch ops on the slot table
+                where = (_decode_locations(pool, dec, L) if len(dec) * L <= SLOT_LOOP_MAX
+                         else pool.locate_slots(_decode_slots(dec, L, bs, lens)))
+                self.decode_kernel = (op, [seg.kv for seg in pool.segments], *where, lens)
                 self.fused_decode = self.decode_only
             else:
                 slots = _decode_slots(dec, L, bs, lens)

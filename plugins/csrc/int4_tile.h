@@ -54,13 +54,6 @@ struct Packed {
     nb = std::min(kTileBlocks, blocks - t * kTileBlocks);
     return q + (t * kTileBlocks * groups + g * nb) * block_group_words();
   }
-  // Chunk cc (0 .. G/8 - 1) of group g of block b: what the hot loops read (no division by G/8).
-  const uint32_t* group_word(int64_t b, int64_t g, int64_t cc) const {
-    int64_t nb;
-    const uint32_t* area = group_area(b, g, nb);
-    return area + (cc * nb + b % kTileBlocks) * kLanes;
-  }
-  const uint32_t* word(int64_t b, int64_t c) const { return group_word(b, c / (G / 8), c % (G / 8)); }
   // Group g of the tile that holds block b0, as the hot loops walk it: chunk cc of block b0 + j is
   // `first + cc * stride + j * kLanes` (worked out once per group, not per chunk).
   struct Chunks {
@@ -73,6 +66,8 @@ struct Packed {
     const uint32_t* area = group_area(b0, g, nb);
     return {area + (b0 % kTileBlocks) * kLanes, nb * kLanes};
   }
+  // Chunk c (inputs 8c..8c+7) of block b, anywhere (packing, dequantizing; the hot loops use `chunks`).
+  const uint32_t* word(int64_t b, int64_t c) const { return chunks(b, c / (G / 8)).at(c % (G / 8)); }
   const uint16_t* block_affine(int64_t b, int64_t g) const {
     int64_t nb;
     const uint32_t* area = group_area(b, g, nb);
