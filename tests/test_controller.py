@@ -1,7 +1,7 @@
 """The controller on synthetic signal traces: bursts swap quickly, quiet restores, steady load never flaps."""
 import pytest
 
-from trtllm_backend.controller import Controller, Signals, parse_forced, parse_policy
+from trtllm_backend.controller import TPOT_PRESSURE_SHARE, Controller, Signals, parse_forced, parse_policy
 
 
 def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, tpot=0.0, faster=False):
@@ -123,6 +123,25 @@ def test_slow_decode_is_not_pressure_without_each_condition(what):
     assert run(c, [{**SLOW, **what}] * 100) == (0, [])
     off = Controller(parse_policy("balanced", 31))  # without an SLO decode time is never pressure
     assert run(off, [SLOW] * 100) == (0, [])
+
+
+def test_the_tpot_slo_sets_the_decode_time_pressure_of_dynamic_policies_only():
+    for name in ("accuracy", "balanced", "performance"):
+        assert parse_policy(name, 31, tpot_slo_s=0.35).down_tpot_s == pytest.approx(TPOT_PRESSURE_SHARE * 0.35)
+        assert parse_policy(name, 31, tpot_slo_s=0.0).down_tpot_s == 0.0  # no SLO: KV pressure only
+    for name in ("full", "int4", "int4:5"):
+        assert parse_policy(name, 31, tpot_slo_s=0.35).down_tpot_s == 0.0
+    # an explicit threshold wins over the SLO's, 0 included (the pressure off under an SLO)
+    assert parse_policy("balanced", 31, {"down_tpot_s": 0.2}, tpot_slo_s=0.35).down_tpot_s == 0.2
+    assert parse_policy("balanced", 31, {"down_tpot_s": 0}, tpot_slo_s=0.35).down_tpot_s == 0.0
+    c = Controller(parse_policy("balanced", 31, tpot_slo_s=0.07))  # 59.5 ms: SLOW's 80 ms TPOT is pressure
+    assert run(c, [SLOW] * 3)[0] == c.policy.layers_per_action
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_a_bad_tpot_slo_is_named(bad):
+    with pytest.raises(ValueError, match="tpot_slo_s"):
+        parse_policy("balanced", 31, tpot_slo_s=bad)
 
 
 def test_restore_waits_for_tpot_well_below_the_slo():

@@ -110,6 +110,9 @@ def test_bad_config_values_are_named():
         EngineConfig(fragment_dir="x", dtype="int3")
     with pytest.raises(ValueError, match="weight_dtype must be"):
         EngineConfig(fragment_dir="x", weight_dtype="int4")
+    for slo in (-0.1, float("nan"), float("inf"), "0.35"):
+        with pytest.raises(ValueError, match="tpot_slo_s must be"):
+            EngineConfig(fragment_dir="x", tpot_slo_s=slo)
     with pytest.raises(ValueError, match="lm_head_activations must be auto, int8 or float32"):
         EngineConfig(fragment_dir="x", lm_head_activations="int4")
     for dtype, weight_dtype in (("bfloat16", "float16"), ("float16", "float32")):

@@ -48,6 +48,10 @@ class EngineConfig:
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
     memory_budget_bytes: int | None = None  # default: full-precision model + base KV pool + one staging fragment
     morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
+    # The deployment's TPOT SLO in seconds (0: none). A dynamic policy then also morphs when decode is slow with
+    # requests waiting (controller.TPOT_PRESSURE_SHARE of it), where INT4 was measured faster at load. The
+    # default is the SLO the capacity reports hold this CPU to (tools/capacity/slo.py).
+    tpot_slo_s: float = 0.35
     # Morph actions at given engine iterations, "down:K@ITER,up:K@ITER" (benchmarks, tests): they run whatever
     # the policy, after any action in flight. Empty: the MORPHSERVE_FORCE_MORPH environment variable (a test hook).
     force_morph: str = ""
@@ -80,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"lm_head_activations must be auto, int8 or float32, got {self.lm_head_activations!r}")
         if self.int4_activations not in ("int8", "float32"):
             raise ValueError(f"int4_activations must be int8 or float32, got {self.int4_activations!r}")
+        if not (isinstance(self.tpot_slo_s, (int, float)) and 0 <= self.tpot_slo_s < float("inf")):
+            raise ValueError(f"tpot_slo_s must be a finite number >= 0 (0: no TPOT SLO), got {self.tpot_slo_s!r}")
         parse_forced(self.force_morph, "force_morph")  # a typo fails here, not at the iteration it names
         w, c = self.weight_torch_dtype, self.torch_dtype
         if w != c and not (w == torch.float16 and c == torch.float32):

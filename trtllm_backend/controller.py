@@ -2,7 +2,8 @@
 
 Two pressures swap down: a KV shortage (always), and decode time (only with `down_tpot_s` set, and only where
 the morph manager measured the next unit's quantized form faster than its full one at the current decode
-batch): TPOT above `down_tpot_s` with requests waiting.
+batch): TPOT above `down_tpot_s` with requests waiting. A dynamic policy takes `down_tpot_s` from the
+deployment's TPOT SLO (`tpot_slo_s`, TPOT_PRESSURE_SHARE of it) unless it is set itself.
 
 Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
 and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the end of
@@ -20,6 +21,10 @@ from dataclasses import dataclass, field, fields, replace
 # static form `int4:N` quantizes N layers (swap order) at load and keeps them so.
 POLICY_NAMES = ("accuracy", "balanced", "performance", "full", "int4")
 STATIC_INT4_FORM = re.compile(r"int4:(\d+)")
+# Decode slower than this share of the TPOT SLO, with requests waiting, is pressure: the margin lets a swap
+# land (staging, a few iterations) before the P95 crosses the SLO. 0.3 s under a 0.35 s SLO measured 1.19x
+# the KV-only controller's capacity (results/replay/capacity_pool256_tpot).
+TPOT_PRESSURE_SHARE = 0.85
 
 
 def is_policy_spec(spec: str) -> bool:
@@ -82,10 +87,13 @@ def _modes(num_layers: int) -> dict[str, MorphPolicy]:
     }
 
 
-def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> MorphPolicy:
+def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot_slo_s: float = 0.0) -> MorphPolicy:
     """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides. `num_layers` counts the swappable
     units: the decoder layers, plus the tied embedding / LM head where the fragment set has its INT8 fragment
-    (then "int4" and `int4:N` take the head too at its place in the swap order, and the limits count it)."""
+    (then "int4" and `int4:N` take the head too at its place in the swap order, and the limits count it).
+    `tpot_slo_s` (0: none) sets a dynamic policy's decode-time pressure unless `overrides` sets down_tpot_s."""
+    if tpot_slo_s < 0 or not math.isfinite(tpot_slo_s):
+        raise ValueError(f"tpot_slo_s: must be >= 0 (0: no TPOT SLO, no decode-time pressure), got {tpot_slo_s!r}")
     spec = (spec or "").strip().lower()
     modes = _modes(num_layers)
     if spec in modes:
@@ -102,6 +110,8 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None) -> M
         policy = MorphPolicy(spec, dynamic=False, static_int4_layers=n, max_int4_layers=max(0, min(n, num_layers)))
     else:
         raise ValueError(f"morph_policy: unknown policy {spec!r} ({', '.join(POLICY_NAMES)}, int4:N)")
+    if policy.dynamic:
+        policy = replace(policy, down_tpot_s=TPOT_PRESSURE_SHARE * tpot_slo_s)
     if overrides:
         known = {f.name: f.type for f in fields(MorphPolicy)}
         for key, value in overrides.items():

@@ -82,7 +82,7 @@ class LLMEngine:
         self._stats = EngineStats()
         # The policy counts units: the layers, and the tied embedding / LM head where the set has its INT8 fragment.
         units = mc.num_layers + (1 if self.manifest.head_swappable() else 0)
-        policy = parse_policy(config.morph_policy, units, config.morph_overrides)
+        policy = parse_policy(config.morph_policy, units, config.morph_overrides, config.tpot_slo_s)
         self.morph = MorphManager(policy, manifest=self.manifest, store=self.store, slots=self.model.slots, pool=self.pool,
                                   shared_nbytes=self.model.shared_nbytes, counters=self.counters, head=self.model.head,
                                   budget_bytes=config.memory_budget_bytes, forced=config.forced_morph_actions())

@@ -153,6 +153,10 @@ PARAMS: tuple[Param, ...] = (
     Param("morph_policy", "str", "balanced", "engine.morph_policy",
           "accuracy / balanced / performance (dynamic), or static: full, int4 (every layer), int4:N.",
           Check(is_policy_spec, " / ".join((*POLICY_NAMES, "int4:N")))),
+    Param("tpot_slo_s", "float", "0.35", "engine.tpot_slo_s",
+          "The deployment's TPOT SLO in seconds: a dynamic policy also morphs when decode is slower than 0.85 of it "
+          "with requests waiting, where INT4 was measured faster at load (0: no SLO, KV pressure only).",
+          at_least(0.0)),
     Param("memory_budget_bytes", "int?", "", "engine.memory_budget_bytes",
           "Bound on resident weights + KV blocks; empty: full-precision model + base KV pool + one staging fragment.",
           at_least(1)),
@@ -171,8 +175,8 @@ PARAMS: tuple[Param, ...] = (
         ("up_kv_usage", "float", "Restore only while KV usage stays below this (below morph_down_kv_usage).",
          in_half_open(0.0, 1.0)),
         ("up_quiet_s", "float", "Seconds without pressure before restoring a layer.", at_least(0.0)),
-        ("down_tpot_s", "float", "TPOT SLO in seconds: above it with requests waiting is pressure where the next "
-         "swap was measured faster at load (0: off).", at_least(0.0)),
+        ("down_tpot_s", "float", "Decode time in seconds above which, with requests waiting, is pressure where the "
+         "next swap was measured faster at load (empty: 0.85 x tpot_slo_s; 0: off).", at_least(0.0)),
         ("up_tpot_ratio", "float", "With morph_down_tpot_s: restore only while TPOT <= this fraction of it.",
          in_half_open(0.0, 1.0)),
     )),
