@@ -64,7 +64,7 @@ def _run(weights: LayerWeights, lens: list[int], use_fused: bool, monkeypatch, t
 
 
 @needs_kernels
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])  # 1-4 rows: each thread does every row's row-wise work; 5: split
 @pytest.mark.parametrize("kind", ["fp32", "fp16", "int4"])
 @pytest.mark.parametrize("lens", [[9], [4, 13], [4, 13, 22, 1, 30]])
 def test_fused_layer_is_bitwise_the_per_op_layer(kind, lens, threads, monkeypatch):

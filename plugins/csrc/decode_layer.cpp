@@ -5,9 +5,9 @@
 // Why: the per-op path makes ~9 torch.ops calls per layer and step (270 for SmolLM2's 30 layers), each paying
 // the dispatcher and, when it goes parallel, an OpenMP fork and join; at batch 1 that was ~29% on top of the
 // matmuls (step/matmuls 1.29). Here one OpenMP parallel region spans the step: each phase splits its work over
-// the team (linears by blocks of output columns, attention by (row, KV head), row-wise ops by rows) and a
-// barrier separates dependent phases (a layer's last phase and the next one's first split rows the same way,
-// so they need none). With one thread there is no region at all. Arguments are parsed and checked once per
+// the team (linears by blocks of output columns, attention by (row, KV head), row-wise ops by rows, or at a few
+// rows each thread all of them) and a barrier separates dependent phases (a layer's last phase and the next
+// one's first split rows the same way, so they need none). With one thread there is no region at all. Arguments are parsed and checked once per
 // call, not per layer (a call with 14 tensors costs ~10 us of parsing alone).
 //
 // The arithmetic is the per-op kernels' own (cpu_tile.h, int4_tile.h, row_ops.h, paged_attention_core.h): each
@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "cpu_tile.h"
@@ -43,6 +44,37 @@ constexpr const char* kOp = "decode_layers";
 struct Prep {
   std::vector<float> scaled, xsum, xs, xd;
   std::vector<int8_t> xq;
+};
+
+// Rows up to which every thread does the row-wise phases itself (RowBuffers of its own, `own` in the body): the
+// redundant work is a few rows' norms and prep, less than the barrier and the idle threads it saves.
+constexpr int64_t kOwnRowsMax = 4;
+
+// What the row-wise phases write, row by row: normed x, h + o and its norm, SwiGLU, the prepared INT4 input, and
+// the two residual streams the layers pass along in turn. One set for the team, or one per thread.
+struct RowBuffers {
+  struct Sizes {
+    int64_t B, hidden, max_k, max_groups, max_gu;
+  };
+  std::vector<float> arena;
+  Prep prep;
+  float *xn, *h2, *x2, *act, *stream[2];
+
+  explicit RowBuffers(const Sizes& z) : arena(z.B * (5 * z.hidden + z.max_gu / 2)) {
+    prep.scaled.resize(z.B * z.max_k);
+    prep.xsum.resize(z.B * z.max_groups);
+    prep.xs.resize(z.B * z.max_k);
+    prep.xq.resize(z.B * z.max_k);
+    prep.xd.resize(z.B * z.max_k / int4::kQBlock + 1);
+    xn = arena.data();
+    h2 = xn + z.B * z.hidden;
+    x2 = h2 + z.B * z.hidden;
+    stream[0] = x2 + z.B * z.hidden;
+    stream[1] = stream[0] + z.B * z.hidden;
+    act = stream[1] + z.B * z.hidden;
+  }
+  RowBuffers(const RowBuffers&) = delete;
+  RowBuffers& operator=(const RowBuffers&) = delete;
 };
 
 // One of a layer's linears: dense (fp32 or fp16-stored weight [N, K]) or INT4 (int4_pack's blocks).
@@ -176,27 +208,18 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
 
   at::Tensor out = at::empty({B, hidden}, h.options());
   if (B == 0) return out;
-  Prep prep;
-  prep.scaled.resize(B * max_k);
-  prep.xsum.resize(B * max_groups);
-  prep.xs.resize(B * max_k);
-  prep.xq.resize(B * max_k);
-  prep.xd.resize(B * max_k / int4::kQBlock + 1);
-  // Intermediates, one arena reused by every layer: normed x, q|k|v, roped q, attention, o, h + o, its norm,
-  // gate|up, SwiGLU, down, and two residual streams the layers pass along in turn.
+  // Buffers the phases share (written by a split phase, read by all after a barrier): q|k|v, roped q, attention,
+  // o, gate|up, down.
   const int64_t qkv_n = (H + 2 * KVH) * D;
-  std::vector<float> arena(B * (hidden + qkv_n + 2 * H * D + 3 * hidden + max_gu + max_gu / 2 + 3 * hidden));
-  float* xn = arena.data();
-  float* qkv_y = xn + B * hidden;
+  std::vector<float> shared(B * (qkv_n + 2 * H * D + hidden + max_gu + hidden));
+  float* qkv_y = shared.data();
   float* q = qkv_y + B * qkv_n;
   float* att = q + B * H * D;
   float* o_y = att + B * H * D;
-  float* h2 = o_y + B * hidden;
-  float* x2 = h2 + B * hidden;
-  float* gu = x2 + B * hidden;
-  float* act = gu + B * max_gu;
-  float* dn = act + B * (max_gu / 2);
-  float* stream[2] = {dn + B * hidden, dn + 2 * B * hidden};
+  float* gu = o_y + B * hidden;
+  float* dn = gu + B * max_gu;
+  const RowBuffers::Sizes sizes{B, hidden, max_k, max_groups, max_gu};
+  RowBuffers common(sizes);
   const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
   const float *cp = cos_c.data_ptr<float>(), *sp = sin_c.data_ptr<float>();
   float* outp = out.data_ptr<float>();
@@ -207,19 +230,35 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
   auto body = [&](int tid, int nt, auto&& sync) {
     Scratch w;
     int64_t a, b;
+    // With few rows every thread does the row-wise work (norms, residual adds, SwiGLU, the INT4 inputs' prep)
+    // of every row itself, into buffers of its own: the same loops on the same inputs, so the same bits, and
+    // no barrier between a row phase and the linear that reads it (at batch 1 the row phases had one thread
+    // working and the rest waiting at 4 of a layer's 8 barriers).
+    const bool own = nt > 1 && B <= kOwnRowsMax;
+    std::optional<RowBuffers> mine;
+    if (own) mine.emplace(sizes);
+    RowBuffers& rb = own ? *mine : common;
+    auto rows = [&](int64_t& r0, int64_t& r1) {
+      if (own) r0 = 0, r1 = B;
+      else share(B, tid, nt, r0, r1);
+    };
+    auto row_sync = [&] {
+      if (!own) sync();
+    };
     for (int64_t l = 0; l < n; ++l) {
       const Layer& L = plan[l];
-      const float* hin = l == 0 ? h.data_ptr<float>() : stream[(l - 1) % 2];
-      float* hout = l == n - 1 ? outp : stream[l % 2];
+      const float* hin = l == 0 ? h.data_ptr<float>() : rb.stream[(l - 1) % 2];
+      // the last layer's output: one thread's copy when each has its own
+      float* hout = l == n - 1 && (!own || tid == 0) ? outp : rb.stream[l % 2];
       const int64_t gu_n = L.gate_up.N, I = gu_n / 2;
-      share(B, tid, nt, a, b);  // the rows this thread also finished in the previous layer: no barrier before
+      rows(a, b);  // the rows this thread also finished in the previous layer: no barrier before
       for (int64_t r = a; r < b; ++r) {
-        rms_norm_row(hin + r * hidden, L.norm1, xn + r * hidden, hidden, eps);
-        L.qkv.prepare_row(xn, r, prep);
+        rms_norm_row(hin + r * hidden, L.norm1, rb.xn + r * hidden, hidden, eps);
+        L.qkv.prepare_row(rb.xn, r, rb.prep);
       }
-      sync();
+      row_sync();
       share(L.qkv.units(), tid, nt, a, b);
-      L.qkv.run(xn, B, qkv_y, a, b, prep);
+      L.qkv.run(rb.xn, B, qkv_y, a, b, rb.prep);
       sync();
       share(B * KVH, tid, nt, a, b);
       for (int64_t task = a; task < b; ++task) {
@@ -228,34 +267,34 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
       }
       sync();
       if (L.o.kind == kInt4) {
-        share(B, tid, nt, a, b);
-        for (int64_t r = a; r < b; ++r) L.o.prepare_row(att, r, prep);
-        sync();
+        rows(a, b);
+        for (int64_t r = a; r < b; ++r) L.o.prepare_row(att, r, rb.prep);
+        row_sync();
       }
       share(L.o.units(), tid, nt, a, b);
-      L.o.run(att, B, o_y, a, b, prep);
+      L.o.run(att, B, o_y, a, b, rb.prep);
       sync();
-      share(B, tid, nt, a, b);
+      rows(a, b);
       for (int64_t r = a; r < b; ++r) {
-        add_row(hin + r * hidden, o_y + r * hidden, h2 + r * hidden, hidden);
-        rms_norm_row(h2 + r * hidden, L.norm2, x2 + r * hidden, hidden, eps);
-        L.gate_up.prepare_row(x2, r, prep);
+        add_row(hin + r * hidden, o_y + r * hidden, rb.h2 + r * hidden, hidden);
+        rms_norm_row(rb.h2 + r * hidden, L.norm2, rb.x2 + r * hidden, hidden, eps);
+        L.gate_up.prepare_row(rb.x2, r, rb.prep);
       }
-      sync();
+      row_sync();
       share(L.gate_up.units(), tid, nt, a, b);
-      L.gate_up.run(x2, B, gu, a, b, prep);
+      L.gate_up.run(rb.x2, B, gu, a, b, rb.prep);
       sync();
-      share(B, tid, nt, a, b);
+      rows(a, b);
       for (int64_t r = a; r < b; ++r) {
-        silu_mul_row(gu + r * gu_n, act + r * I, I);
-        L.down.prepare_row(act, r, prep);
+        silu_mul_row(gu + r * gu_n, rb.act + r * I, I);
+        L.down.prepare_row(rb.act, r, rb.prep);
       }
-      sync();
+      row_sync();
       share(L.down.units(), tid, nt, a, b);
-      L.down.run(act, B, dn, a, b, prep);
+      L.down.run(rb.act, B, dn, a, b, rb.prep);
       sync();
-      share(B, tid, nt, a, b);
-      for (int64_t r = a; r < b; ++r) add_row(h2 + r * hidden, dn + r * hidden, hout + r * hidden, hidden);
+      rows(a, b);
+      for (int64_t r = a; r < b; ++r) add_row(rb.h2 + r * hidden, dn + r * hidden, hout + r * hidden, hidden);
     }
   };
   if (threads == 1) {
