@@ -76,6 +76,30 @@ def test_a_dead_child_stops_the_server(tmp_path):
         handle.stop()
 
 
+def test_a_server_that_aborts_right_after_its_stub_died_counts_as_a_stub_death(tmp_path):
+    # Triton 2.51 sometimes aborts by itself within the watcher's poll interval of a stub's death
+    handle = _stand_in(tmp_path)
+    try:
+        watcher = handle.watch_stubs(interval=2.0)
+        subprocess.run(["kill", "-KILL", str(handle.stub_pids()[0])], check=True)
+        handle.process.kill()
+        watcher.join(timeout=15)
+        assert handle.stub_died and not handle.alive()
+    finally:
+        handle.stop()
+
+
+def test_a_server_that_dies_with_its_stubs_running_is_not_a_stub_death(tmp_path):
+    handle = _stand_in(tmp_path)
+    try:
+        watcher = handle.watch_stubs(interval=0.05)
+        handle.process.kill()  # the stubs are orphaned, still running
+        watcher.join(timeout=15)
+        assert not watcher.is_alive() and not handle.stub_died
+    finally:
+        handle.stop()
+
+
 def test_a_normal_stop_is_not_a_stub_death(tmp_path):
     handle = _stand_in(tmp_path)
     watcher = handle.watch_stubs(interval=0.05)

@@ -150,11 +150,8 @@ class ServerHandle:
         """The server's children: the Python backend stubs, one per model instance."""
         pids = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                after_name = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(after_name[1]) == self.process.pid and after_name[0] != "Z":
+            state_and_parent = _state_and_parent(stat)
+            if state_and_parent and state_and_parent[1] == self.process.pid and state_and_parent[0] != "Z":
                 pids.append(int(stat.parent.name))
         return pids
 
@@ -162,14 +159,22 @@ class ServerHandle:
         """A stub that dies leaves Triton "ready" but answering every request with an error, and a request
         in flight never ends: stop the whole server instead, so a supervisor (or the caller) can restart it."""
         # NOTE: at least one: a stub killed between "ready" and this line must still count as a death
-        expected = max(1, len(self.stub_pids()))
+        started = self.stub_pids()
+        expected = max(1, len(started))
 
         def watch():
             while self.alive() and not self.stopping and len(self.stub_pids()) >= expected:
                 time.sleep(interval)
-            if self.alive() and not self.stopping:
+            if self.stopping:
+                return
+            # Triton sometimes aborts on its own within the poll interval of a stub's death: a server found dead
+            # with one of its stubs already gone counts as a stub death too (exit code 1, not Triton's signal).
+            alive = self.alive()
+            if alive or len(started) < expected or not all(map(_process_running, started)):
                 self.stub_died = True
-                print("[serve] a Python backend stub exited: stopping tritonserver", file=sys.stderr, flush=True)
+                then = "stopping tritonserver" if alive else "tritonserver went down with it"
+                print(f"[serve] a Python backend stub exited: {then}", file=sys.stderr, flush=True)
+            if alive:
                 self.stop()
 
         thread = threading.Thread(target=watch, name="stub-watch", daemon=True)
@@ -193,6 +198,21 @@ class ServerHandle:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _state_and_parent(stat: Path) -> tuple[str, int] | None:
+    """A /proc/<pid>/stat file's state letter and parent pid; None when the process is gone."""
+    try:
+        after_name = stat.read_text().rsplit(")", 1)[1].split()
+        return after_name[0], int(after_name[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _process_running(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    state_and_parent = _state_and_parent(Path(f"/proc/{pid}/stat"))
+    return state_and_parent is not None and state_and_parent[0] != "Z"
 
 
 def launch(model_repository: str | Path = "model_repository", *, model: str = "smollm2", http_port: int = 8000,
