@@ -89,6 +89,20 @@ def test_a_server_that_aborts_right_after_its_stub_died_counts_as_a_stub_death(t
         handle.stop()
 
 
+def test_stop_after_the_server_aborted_by_itself_reports_the_stub_death_before_the_watcher_wakes(tmp_path):
+    # serve's main loop calls stop() as soon as it sees the server gone; the watcher may still be asleep
+    handle = _stand_in(tmp_path)
+    try:
+        handle.watch_stubs(interval=60.0)
+        subprocess.run(["kill", "-KILL", str(handle.stub_pids()[0])], check=True)
+        handle.process.kill()
+        handle.process.wait()
+        handle.stop()
+        assert handle.stub_died
+    finally:
+        handle.stop()
+
+
 def test_a_server_that_dies_with_its_stubs_running_is_not_a_stub_death(tmp_path):
     handle = _stand_in(tmp_path)
     try:

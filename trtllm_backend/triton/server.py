@@ -68,6 +68,7 @@ class ServerHandle:
     drained_but_held: bool = False  # stop() ended a drained server that an open gRPC stream kept from unloading
     stub_died: bool = False  # set by the watcher when a Python backend stub exited under a running server
     stopping: bool = False  # stop() was called: stubs exiting now is the normal unload
+    _watched_stubs: tuple[tuple[int, ...], int] | None = field(default=None, repr=False)  # (pids, expected)
     _log_file: object = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -91,6 +92,10 @@ class ServerHandle:
         `timeout` (default: drain_timeout_s + 4 s when known, else the exit timeout plus a margin: with a request
         stuck in a dead stub tritonserver never exits by itself). Returns tritonserver's exit status, or 0 when
         every stub drained but an open gRPC stream kept the model from unloading (shutdown.py says why)."""
+        if not self.stopping and not self.alive() and self._a_watched_stub_is_gone():
+            # the server went down by itself between two of the watcher's polls: classify it here, before the
+            # process group is ended below, so the caller never reads stub_died before the watcher woke
+            self._note_stub_death(alive=False)
         self.stopping = True
         with self._lock:
             if self.alive():
@@ -159,27 +164,39 @@ class ServerHandle:
         """A stub that dies leaves Triton "ready" but answering every request with an error, and a request
         in flight never ends: stop the whole server instead, so a supervisor (or the caller) can restart it."""
         # NOTE: at least one: a stub killed between "ready" and this line must still count as a death
-        started = self.stub_pids()
-        expected = max(1, len(started))
+        started = tuple(self.stub_pids())
+        self._watched_stubs = (started, max(1, len(started)))
 
         def watch():
-            while self.alive() and not self.stopping and len(self.stub_pids()) >= expected:
+            while self.alive() and not self.stopping and len(self.stub_pids()) >= self._watched_stubs[1]:
                 time.sleep(interval)
             if self.stopping:
                 return
-            # Triton sometimes aborts on its own within the poll interval of a stub's death: a server found dead
-            # with one of its stubs already gone counts as a stub death too (exit code 1, not Triton's signal).
             alive = self.alive()
-            if alive or len(started) < expected or not all(map(_process_running, started)):
-                self.stub_died = True
-                then = "stopping tritonserver" if alive else "tritonserver went down with it"
-                print(f"[serve] a Python backend stub exited: {then}", file=sys.stderr, flush=True)
+            if alive or self._a_watched_stub_is_gone():
+                self._note_stub_death(alive)
             if alive:
                 self.stop()
 
         thread = threading.Thread(target=watch, name="stub-watch", daemon=True)
         thread.start()
         return thread
+
+    def _a_watched_stub_is_gone(self) -> bool:
+        """Triton sometimes aborts on its own within the poll interval of a stub's death: a server found dead
+        with one of its stubs already gone counts as a stub death too; one that died with its stubs running
+        does not."""
+        if self._watched_stubs is None:
+            return False
+        started, expected = self._watched_stubs
+        return len(started) < expected or not all(map(_process_running, started))
+
+    def _note_stub_death(self, alive: bool) -> None:
+        if self.stub_died:
+            return
+        self.stub_died = True  # the exit code becomes 1, not Triton's signal
+        then = "stopping tritonserver" if alive else "tritonserver went down with it"
+        print(f"[serve] a Python backend stub exited: {then}", file=sys.stderr, flush=True)
 
     def clean_shm(self) -> list[Path]:
         """Remove this server's leaked shared-memory regions (a crashed stub leaves them behind)."""
