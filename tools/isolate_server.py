@@ -3,8 +3,9 @@
 Every second: the server's processes (tritonserver and its Python backend stubs, every thread) are pinned to
 `--server-cpus`, every other process that may be pinned to `--other-cpus`. Children inherit their parent's
 affinity, so work started later (tests, builds, the load generator) lands on the other cores too. Linux only;
-pinning processes you do not own needs root. Stop it with Ctrl-C; affinities are then left as they are
-(`--release` puts every process back on all cores).
+pinning processes you do not own needs root. Stopped with Ctrl-C or SIGTERM it puts every process back on all
+cores (pins left behind would halve the next job's machine: a CI run inherits them); after a SIGKILL run
+`--release`.
 
     python -m tools.isolate_server --server-cpus 0 --other-cpus 1 &
     python -m tools.capacity ... --param num_threads=1
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from collections.abc import Iterable
 
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
     if not server or not other or not (server | other) <= every:
         ap.error(f"need non-empty CPU sets within {sorted(every)}: server {sorted(server)}, other {sorted(other)}")
     print(f"[isolate] server processes on CPUs {sorted(server)}, everything else on {sorted(other)}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             s, o = sweep(server, other, match=args.match)
@@ -120,7 +123,13 @@ def main(argv=None) -> int:
                 print(f"[isolate] pinned {s} server and {o} other processes", flush=True)
             time.sleep(args.interval_s)
     except KeyboardInterrupt:
+        sweep(every, every)
+        print(f"[isolate] stopped: every process back on CPUs {sorted(every)}", flush=True)
         return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
