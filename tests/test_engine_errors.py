@@ -113,6 +113,9 @@ def test_bad_config_values_are_named():
     for slo in (-0.1, float("nan"), float("inf"), "0.35"):
         with pytest.raises(ValueError, match="tpot_slo_s must be"):
             EngineConfig(fragment_dir="x", tpot_slo_s=slo)
+    for share in (-0.1, 1.5, float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match="prefill_chunk_tpot_share must be in"):
+            EngineConfig(fragment_dir="x", prefill_chunk_tpot_share=share)
     with pytest.raises(ValueError, match="lm_head_activations must be auto, int8 or float32"):
         EngineConfig(fragment_dir="x", lm_head_activations="int4")
     for dtype, weight_dtype in (("bfloat16", "float16"), ("float16", "float32")):

@@ -49,6 +49,21 @@ def test_chunked_prefill_respects_token_budget():
     assert len(a.block_table) == 5
 
 
+def test_a_step_budget_cuts_the_prefill_chunk_beside_decodes():
+    s = Scheduler(pool(blocks=20, bs=4), max_batch_size=8, max_num_tokens=64)
+    a = req("a", 3)
+    s.add(a)
+    advance(s.schedule())
+    assert s.decode_rows() == 1
+    s.add(req("b", 40))
+    out = s.schedule(token_budget=9)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 8)]
+    advance(out)
+    assert s.decode_rows() == 1  # b is mid-prefill, not decoding
+    out = s.schedule(token_budget=1000)  # never above max_num_tokens
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 32)]
+
+
 def test_admission_waits_for_blocks():
     p = pool(blocks=4, bs=4)
     s = Scheduler(p, max_batch_size=8, max_num_tokens=64)

@@ -52,6 +52,9 @@ class EngineConfig:
     # requests waiting (controller.TPOT_PRESSURE_SHARE of it), where INT4 was measured faster at load. The
     # default is the SLO the capacity reports hold this CPU to (tools/capacity/slo.py).
     tpot_slo_s: float = 0.35
+    # A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from the
+    # measured cost of a token (trtllm_backend/step_budget.py). 0: every step may fill max_num_tokens.
+    prefill_chunk_tpot_share: float = 0.5
     # Morph actions at given engine iterations, "down:K@ITER,up:K@ITER" (benchmarks, tests): they run whatever
     # the policy, after any action in flight. Empty: the MORPHSERVE_FORCE_MORPH environment variable (a test hook).
     force_morph: str = ""
@@ -86,6 +89,9 @@ class EngineConfig:
             raise ValueError(f"int4_activations must be int8 or float32, got {self.int4_activations!r}")
         if not (isinstance(self.tpot_slo_s, (int, float)) and 0 <= self.tpot_slo_s < float("inf")):
             raise ValueError(f"tpot_slo_s must be a finite number >= 0 (0: no TPOT SLO), got {self.tpot_slo_s!r}")
+        share = self.prefill_chunk_tpot_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"prefill_chunk_tpot_share must be in [0, 1] (0: chunks fill max_num_tokens), got {share!r}")
         parse_forced(self.force_morph, "force_morph")  # a typo fails here, not at the iteration it names
         w, c = self.weight_torch_dtype, self.torch_dtype
         if w != c and not (w == torch.float16 and c == torch.float32):

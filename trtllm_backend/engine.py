@@ -33,6 +33,7 @@ from .outputs import EngineStats, RequestOutput, RequestTimings
 from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
+from .step_budget import StepBudget
 from .streaming import OutputStream
 
 log = logging.getLogger("morphserve.engine")
@@ -61,6 +62,7 @@ class LLMEngine:
         self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device)
         self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
+        self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
         self._seen_preemptions = 0
         self._tpot = 0.0  # moving average of decode iteration time (the controller's TPOT signal)
@@ -294,7 +296,7 @@ class LLMEngine:
         schedule, run the model, sample and emit."""
         self._drain_inbox()
         self._morph_tick()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.step_budget.tokens(self.scheduler.decode_rows()))
         self.counters.preemptions = self.scheduler.num_preemptions
         self._admission_blocked = sched.admission_blocked
         if not sched.scheduled:
@@ -340,6 +342,8 @@ class LLMEngine:
                 reason = self.streams[req.request_id].add_token(tok, int4)
                 if reason:
                     self._finish(req, reason)
+        decodes = sum(1 for _, n in sched.scheduled if n == 1)
+        self.step_budget.observe(sched.num_tokens, decodes, time.monotonic() - t_step)
         self.counters.iterations += 1
         self._publish_stats()
 

@@ -54,9 +54,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def decode_rows(self) -> int:
+        """Running requests whose next step is a decode (one new token)."""
+        return sum(1 for r in self.running if r.num_tokens - r.num_computed == 1)
+
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """`token_budget`: this iteration's tokens (default and at most max_num_tokens)."""
         out = SchedulerOutput()
-        budget = self.max_num_tokens
+        budget = self.max_num_tokens if token_budget is None else min(token_budget, self.max_num_tokens)
         # 1. Running requests first, oldest first.
         i = 0
         while i < len(self.running) and budget > 0:

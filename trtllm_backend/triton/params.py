@@ -155,8 +155,13 @@ PARAMS: tuple[Param, ...] = (
           Check(is_policy_spec, " / ".join((*POLICY_NAMES, "int4:N")))),
     Param("tpot_slo_s", "float", "0.35", "engine.tpot_slo_s",
           "The deployment's TPOT SLO in seconds: a dynamic policy also morphs when decode is slower than 0.85 of it "
-          "with requests waiting, where INT4 was measured faster at load (0: no SLO, KV pressure only).",
+          "with requests waiting, where INT4 was measured faster at load, and prefill chunks are cut to keep "
+          "decoding streams within it (0: no SLO, KV pressure only, full chunks).",
           at_least(0.0)),
+    Param("prefill_chunk_tpot_share", "float", "0.5", "engine.prefill_chunk_tpot_share",
+          "A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from "
+          "the measured cost of a token (0: chunks fill max_num_tokens).",
+          Check(lambda v: 0 <= v <= 1, "in [0.0, 1.0]")),
     Param("memory_budget_bytes", "int?", "", "engine.memory_budget_bytes",
           "Bound on resident weights + KV blocks; empty: full-precision model + base KV pool + one staging fragment.",
           at_least(1)),
