@@ -72,6 +72,11 @@ def layers_only_copy(dst: Path) -> Path:
 def make_engine(**overrides) -> LLMEngine:
     # Static full precision unless a test asks otherwise: outputs are compared with full-precision references.
     overrides.setdefault("morph_policy", "full")
+    # Whole prefill chunks unless a test asks otherwise: the stall-free cut (step_budget.py) follows measured step
+    # times, and tests that count iterations (forced morphs, drains) need a schedule that does not depend on the
+    # machine's speed. The cut has its own tests (test_step_budget.py, test_engine_batching.py) and the servers
+    # the suite starts run with it on.
+    overrides.setdefault("prefill_chunk_tpot_share", 0.0)
     overrides.setdefault("fragment_dir", str(fragment_dir()))
     return LLMEngine(EngineConfig(**overrides))
 

@@ -35,7 +35,7 @@ def test_tiny_pool_forces_preemption_and_finishes_every_request(lone):
 
 
 def test_prefill_cut_to_the_step_budget_beside_decodes_matches_lone_runs(lone):
-    engine = make_engine(max_num_tokens=256)
+    engine = make_engine(max_num_tokens=256, prefill_chunk_tpot_share=0.5)
     budget = engine.step_budget
     budget.per_token_s, budget.fixed_s = budget.target_s / 24, 0.0  # 24 tokens fit in a step
     budget.observe = lambda *a: None  # keep that cost: this test is about the cut, not the measurement
