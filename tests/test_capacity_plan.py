@@ -100,3 +100,22 @@ def test_warm_bracket_costs_a_seed_two_probes_near_the_previous_capacity(tmp_pat
     cold = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0, 1], tmp_path, precision=0.25, max_probes=4)
     with pytest.raises(ServerWanted):
         cold._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+
+
+def test_overload_probes_every_policy_at_a_multiple_of_fulls_capacity_and_marks_them(tmp_path, capsys):
+    # seed 0's searches stored (full x0.3, balanced x0.45): the overload probes at x0.375 are all that is missing
+    stored_search(tmp_path)
+    over = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4, overload=1.25)
+    with pytest.raises(ServerWanted, match="full"):
+        over._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+    put(tmp_path, "conv", 256, "full", 0, 0.375, 100, 40)
+    put(tmp_path, "conv", 256, "balanced", 0, 0.375, 100, 99)
+    over._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+    assert capsys.readouterr().out.count("x0.375 (x1.25 full's capacity)") == 2
+    for policy in ("full", "balanced"):  # a stored probe at that rate is marked, not run again
+        assert store.load_probe(store.ProbeKey("conv", 256, policy, 0, 0.375).path(tmp_path))["overload_of_full"] == 1.25
+
+
+def test_an_overload_multiple_of_one_or_less_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="must be above 1"):
+        Plan([KINDS["conv"]], [256], ["full"], [0], tmp_path, overload=1.0)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from tools.capacity.overload import DEFAULT_FACTOR
 from tools.capacity.plan import Plan
 from tools.capacity.slo import Slos
 from tools.capacity.traffic import kinds
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-bracket", action="store_true",
                     help="seeds after the first bracket in steps of the precision around the previous seed's capacity "
                          "(off by default: stored searches made without it replay unchanged)")
+    ap.add_argument("--overload", type=float, default=DEFAULT_FACTOR,
+                    help="after each seed's searches, probe every policy at this multiple of full's capacity "
+                         "(issue 12's overload targets; 0: not)")
     ap.add_argument("--param", action="append", default=[], type=_param, help="server parameter NAME=VALUE")
     ap.add_argument("--ttft-slo-s", type=float, default=Slos().ttft_s, help="keep the default across commits")
     ap.add_argument("--tpot-slo-s", type=float, default=Slos().tpot_s, help="keep the default across commits")
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
                 traffic = [replace(t, start_rate_scale=args.start_rate) for t in traffic]
             plan = Plan(traffic, args.pools, [p.strip() for p in args.policies.split(",") if p.strip()],
                         args.seeds, out, dict(args.param), Slos(args.ttft_slo_s, args.tpot_slo_s), args.precision,
-                        args.max_probes, args.force, args.progress, args.warm_bracket)
+                        args.max_probes, args.force, args.progress, args.warm_bracket, args.overload or None)
         except ValueError as exc:
             ap.error(str(exc))
         _remember(out, command)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.capacity import store
+from tools.capacity.analysis import REFERENCE
+from tools.capacity.overload import MARK, overload_rate
 from tools.capacity.probe import provenance, run_probe
 from tools.capacity.search import Bisection, warm_grow
 from tools.capacity.slo import Slos
@@ -51,8 +53,11 @@ class Plan:
     force: bool = False
     progress: bool = False
     warm_bracket: bool = False  # seeds after the first bracket around the previous capacity in precision steps
+    overload: float | None = None  # then every policy at this multiple of full's capacity, per seed (overload.py)
 
     def __post_init__(self):
+        if self.overload is not None and self.overload <= 1:
+            raise ValueError(f"overload multiple {self.overload:g}: must be above 1 (full's capacity x it)")
         for p in self.policies:
             policy_params(p)  # refuse a malformed variant before any server starts
         for t in self.traffic:
@@ -95,23 +100,9 @@ class Plan:
             while not all(s.done for s in searches.values()):
                 for policy, search in searches.items():  # one step of each policy, back to back
                     rate = search.next_rate()
-                    if rate is None:
-                        continue
-                    key = store.ProbeKey(traffic.name, pool, policy, seed, rate)
-                    path = key.path(self.out)
-                    if path.exists() and not self.force:
-                        probe = store.load_probe(path)
-                        how = "stored"
-                    else:
-                        res, probe = run_probe(traffic, rate, seed, server(policy), prompts, self.slos, self.progress)
-                        probe["server_params"] = {**self.server_params(pool), **policy_params(policy)[1]}
-                        probe.update((server_started or {}).get(policy, {}))
-                        store.save(self.out, key, res, probe)
-                        how = f"ran {probe['wall_s']:.0f} s, load {probe['load_avg_1m'][0]:.1f}->{probe['load_avg_1m'][1]:.1f}"
-                    search.record(rate, probe["attained"])
-                    print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy:>11} x{rate:g}: "
-                          f"{probe['requests']} req at {probe['offered_req_s']:.2f} req/s, attainment "
-                          f"{probe['attainment']:.1%} -> {'pass' if probe['attained'] else 'fail'} ({how})", flush=True)
+                    if rate is not None:
+                        search.record(rate, self._probe(traffic, pool, policy, seed, rate, server, prompts,
+                                                        server_started)["attained"])
             for policy, search in searches.items():
                 print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy}: capacity x{search.capacity} "
                       f"({search.status}, {len(search.probes)} probes)", flush=True)
@@ -119,3 +110,33 @@ class Plan:
                     start[policy] = search.capacity
                     if self.warm_bracket:  # seeds agree to ~10%: 2-3 probes a seed, not 5
                         grow[policy] = warm_grow(self.precision)
+            full = searches.get(REFERENCE)
+            if self.overload and full and full.capacity:  # the same requests past full's capacity, back to back
+                rate = overload_rate(full.capacity, self.overload)
+                for policy in self.policies:
+                    self._probe(traffic, pool, policy, seed, rate, server, prompts, server_started, self.overload)
+
+    def _probe(self, traffic: Traffic, pool: int, policy: str, seed: int, rate: float, server, prompts,
+               server_started: dict | None, overload: float | None = None) -> dict:
+        """The stored probe, or a new one run and stored; an overload probe is marked with its multiple (a stored
+        probe that happens to sit at that rate is marked, not run again)."""
+        key = store.ProbeKey(traffic.name, pool, policy, seed, rate)
+        path = key.path(self.out)
+        if path.exists() and not self.force:
+            probe = store.load_probe(path)
+            how = "stored"
+            if overload and probe.get(MARK) != overload:
+                probe = store.mark(path, **{MARK: overload})
+        else:
+            res, probe = run_probe(traffic, rate, seed, server(policy), prompts, self.slos, self.progress)
+            probe["server_params"] = {**self.server_params(pool), **policy_params(policy)[1]}
+            probe.update((server_started or {}).get(policy, {}))
+            if overload:
+                probe[MARK] = overload
+            store.save(self.out, key, res, probe)
+            how = f"ran {probe['wall_s']:.0f} s, load {probe['load_avg_1m'][0]:.1f}->{probe['load_avg_1m'][1]:.1f}"
+        what = f"x{rate:g}" + (f" (x{overload:g} full's capacity)" if overload else "")
+        print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy:>11} {what}: "
+              f"{probe['requests']} req at {probe['offered_req_s']:.2f} req/s, attainment "
+              f"{probe['attainment']:.1%} -> {'pass' if probe['attained'] else 'fail'} ({how})", flush=True)
+        return probe

@@ -8,7 +8,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tools.capacity import plots, store
+from tools.capacity import overload, plots, store
 from tools.capacity.analysis import REFERENCE, PolicyResult, analyse, same_rate
 from tools.capacity.slo import SENSITIVITY, TARGET_ATTAINMENT
 from tools.capacity.stats import CONFIDENCE, Interval
@@ -116,6 +116,59 @@ def same_rate_table(rows: list[tuple[int, float, dict]]) -> list[str]:
     return out + [""]
 
 
+def _iv(iv: Interval | None, fmt) -> str:
+    if iv is None:
+        return "n/a"
+    f = lambda x: "?" if x is None else fmt(x)  # noqa: E731
+    return f"{fmt(iv.mean)} [{f(iv.lo)}, {f(iv.hi)}]"
+
+
+def _pc(x) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _x(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def overload_section(found: dict[tuple[float, str], list[overload.OverloadPair]], decode_heavy: bool) -> tuple[list[str], dict]:
+    """Markdown and JSON: each policy against full at a multiple of each seed's own full capacity."""
+    if not found:
+        return [], {}
+    lines, data = [], {}
+    for (factor, policy), found_pairs in sorted(found.items()):
+        s = overload.summary(found_pairs)
+        lines += [f"Overload: `{policy}` against `full` at x{factor:g} of full's capacity (each seed's own), same "
+                  "requests, back to back:", "",
+                  "| seed | rate scale | SLO violations full -> " + policy + " | cut | P95 TTFT (s) full -> " + policy
+                  + " | P95 TTFT lower by | P95 TPOT (s) full -> " + policy + " | preemptions full / " + policy
+                  + " | INT4 layers / token |", "|---" * 9 + "|"]
+        for p in found_pairs:
+            vf, vo = p.violations
+            lines.append(f"| {p.seed} | {p.rate:g} | {vf:.1%} -> {vo:.1%} | {_pc(p.cut)} "
+                         f"| {_f(p.full['ttft_p95'])} -> {_f(p.other['ttft_p95'])} | {_x(p.ttft_x)} "
+                         f"| {_f(p.full['tpot_p95'], '{:.3f}')} -> {_f(p.other['tpot_p95'], '{:.3f}')} "
+                         f"| {_f(p.full['preemptions'], '{:.0f}')} / {_f(p.other['preemptions'], '{:.0f}')} "
+                         f"| {_f(p.other['int4_layers_mean'])} |")
+        lines.append(f"| mean [95% CI] | | {_iv(s['violations_full'], '{:.1%}'.format)} -> "
+                     f"{_iv(s['violations_other'], '{:.1%}'.format)} | {_iv(s['cut'], '{:.1%}'.format)} "
+                     f"| {_iv(s['ttft_p95_full'], '{:.2f}'.format)} -> {_iv(s['ttft_p95_other'], '{:.2f}'.format)} "
+                     f"| {_iv(s['ttft_x'], '{:.2f}x'.format)} | | | |")
+        lines.append("")
+        if decode_heavy and policy == "balanced":
+            cut_ok, ttft_ok = overload.meets_targets(s)
+            lines += [f"- violations cut at x{factor:g}: {_iv(s['cut'], '{:.1%}'.format)} (target >= "
+                      f"{overload.TARGET_CUT:.0%}): **{'met' if cut_ok else 'missed'}**",
+                      f"- P95 TTFT lower at x{factor:g}: {_iv(s['ttft_x'], '{:.2f}x'.format)} (target >= "
+                      f"{overload.TARGET_TTFT_X:g}x): **{'met' if ttft_ok else 'missed'}**", ""]
+        data.setdefault(f"{factor:g}", {})[policy] = {
+            **{k: v.as_dict() if v else None for k, v in s.items()},
+            "per_seed": [{"seed": p.seed, "rate_scale": p.rate, "violations_full": p.violations[0],
+                          "violations": p.violations[1], "cut": p.cut, "ttft_p95_full": p.full["ttft_p95"],
+                          "ttft_p95": p.other["ttft_p95"]} for p in found_pairs]}
+    return lines, data
+
+
 def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -> None:
     quality, qnote = load_quality(quality_path)
     result = analyse(out, quality)
@@ -157,6 +210,8 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
         if traffic.startswith("conv"):
             lines += ["Targets (issue 12, decode-heavy):", ""] + targets(cell) + [""]
         lines += same_rate_table(same_rate(out, traffic, pool, quality))
+        over_lines, over_data = overload_section(overload.pairs(out, traffic, pool, quality), traffic.startswith("conv"))
+        lines += over_lines
         name = f"{traffic}_pool{pool}"
         plots.attainment(out / f"attainment_{name}.png", f"{traffic}, pool {pool}", ordered)
         lines += [f"![attainment](attainment_{name}.png)", ""]
@@ -173,7 +228,8 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
                                       rm.Slo(probe["slo"]["ttft_s"], probe["slo"]["tpot_s"]), probe["window_s"])
                 lines += [f"![{policy} timeline]({png})", ""]
         cells.append({"traffic": traffic, "pool_tokens": pool,
-                      "policies": {p: r.as_dict() for p, r in ordered.items()}})
+                      "policies": {p: r.as_dict() for p, r in ordered.items()},
+                      **({"overload": over_data} if over_data else {})})
     pools = {pool for _, pool in result}
     if len(pools) > 1:
         plots.regime_map(out / "regime_map.png", result, policies)

@@ -42,6 +42,16 @@ def save(root: Path, key: ProbeKey, result: ReplayResult, probe: dict) -> Path:
     return path
 
 
+def mark(path: Path, **fields) -> dict:
+    """Add fields to a stored probe's block (atomically, as save does); returns the new block."""
+    data = json.loads(path.read_text())
+    data["probe"].update(fields)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return data["probe"]
+
+
 def load_probe(path: Path) -> dict:
     """The `probe` block alone (cheap enough for planning: the records are parsed but not kept)."""
     data = json.loads(path.read_text())
