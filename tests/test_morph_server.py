@@ -82,12 +82,15 @@ def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
     assert during['morphserve_kv_resizes_total{direction="grow"}'] > 0
     # After the burst: quiet -> every layer restored, every grown segment released, nothing leaked.
     # (the layers, and the LM head where the set has it as a unit: int4_layers counts layers only)
-    # NOTE: the metrics are a snapshot taken every metrics_interval_s: wait for one that counts all 12 requests
-    # done, or the last request's blocks may still read as used (the restores can end before it does).
+    # NOTE: the gauges are the engine's last published snapshot, copied every metrics_interval_s, while the success
+    # counter ticks at once: wait for a snapshot in which the engine itself holds nothing (no running or waiting
+    # request, nothing active in the glue); in that snapshot any used block is a leak.
     ok = before.get('morphserve_requests_total{status="success"}', 0) + 12
     after = wait_for(lambda: (m := metrics(morph_server)).get("morphserve_int4_layers") == 0
                      and m.get("morphserve_lm_head_int8", 0) == 0
-                     and m.get('morphserve_requests_total{status="success"}', 0) >= ok and m, timeout=120, interval=0.5)
+                     and m.get('morphserve_requests_total{status="success"}', 0) >= ok
+                     and all(m.get(f'morphserve_requests{{state="{s}"}}') == 0 for s in ("active", "waiting", "scheduled"))
+                     and m, timeout=120, interval=0.5)
     assert after, "the server did not return to full precision after the burst"
     assert after['morphserve_layer_swaps_total{direction="up"}'] == after['morphserve_layer_swaps_total{direction="down"}']
     assert after['morphserve_kv_cache_blocks{type="used"}'] == 0
