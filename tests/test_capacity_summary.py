@@ -44,3 +44,13 @@ def test_runs_under_different_slos_or_without_a_json_are_refused(tmp_path, capsy
     assert (tmp_path / "map.png").stat().st_size > 0
     written = json.loads((tmp_path / "s.json").read_text())
     assert written["command"].startswith("python -m tools.capacity.summary") and written["cells"][0]["latest"] == "a"
+
+
+def test_a_runs_overload_figures_are_carried_into_its_cell(tmp_path):
+    path = _run(tmp_path, "a", {0: 0.1}, {0: 0.2})
+    data = json.loads(path.read_text())
+    data["cells"][0]["overload"] = {"1.25": {"balanced": {"cut": {"mean": 0.97, "ci95": [0.95, 0.99], "n": 3}}}}
+    path.write_text(json.dumps(data))
+    b = _slo(_run(tmp_path, "b", {0: 0.1}, {0: 0.2}))
+    runs = summary.summarize([_slo(path), b])["cells"][0]["runs"]
+    assert runs[0]["overload"]["1.25"]["balanced"]["cut"]["mean"] == 0.97 and "overload" not in runs[1]

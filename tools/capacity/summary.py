@@ -59,7 +59,7 @@ def summarize(folders: list[Path]) -> dict:
             key = (cell["traffic"], cell["pool_tokens"])
             entry = cells.setdefault(key, {"traffic": key[0], "pool_tokens": key[1], "runs": []})
             entry["runs"].append({"run": folder.name, "report": data.get("report"), "commits": data.get("commits", []),
-                                  "policies": cell["policies"]})
+                                  "policies": cell["policies"], **({"overload": cell["overload"]} if "overload" in cell else {})})
     for (traffic, pool_tokens), entry in cells.items():
         entry["latest"] = entry["runs"][-1]["run"]
         policies = {p for r in entry["runs"] for p in r["policies"] if p != REFERENCE}
@@ -78,7 +78,8 @@ def summarize(folders: list[Path]) -> dict:
             "target": {"ratio_mean": TARGET_RATIO, "ratio_ci95_low": TARGET_RATIO_LO},
             "how_to_read": "Per cell (traffic kind, KV pool tokens): each run's figures as its own capacity.json holds "
                            "them (capacity as rate scale and req/s, ratio to full with its 95% interval, quality "
-                           "loss, per seed); `pooled`, where two or more runs measured a policy against full: the "
+                           "loss, per seed; `overload`, where measured: each policy against full at a multiple of full's "
+                           "capacity, keyed by the multiple); `pooled`, where two or more runs measured a policy against full: the "
                            "ratio with each run counted once (per_run: quote this one) and with every (run, seed) "
                            "pair pooled (per_seed). Only ratios within a run compare: full's own capacity moves "
                            "with the machine's speed. Each run's `report` holds every probe's commit, time and "
