@@ -62,3 +62,12 @@ def test_report_section_and_json(folder, tmp_path):
     cell = json.loads((tmp_path / "c.json").read_text())["cells"][0]
     per_seed = cell["overload"]["1.25"]["balanced"]["per_seed"]
     assert [s["seed"] for s in per_seed] == [0, 1, 2] and per_seed[0]["violations_full"] == pytest.approx(0.6)
+
+
+def test_share_intervals_stay_within_0_and_1(tmp_path):
+    for seed, bal in ((0, 100), (1, 100), (2, 97)):  # balanced's violations 0%, 0%, 3%: the t interval dips below 0
+        for policy, good in (("full", 50), ("balanced", bal)):
+            store.mark(put(tmp_path, "conv", 256, policy, seed, 0.125, 100, good), overload_of_full=1.25)
+    s = overload.summary(overload.pairs(tmp_path, "conv", 256, None)[(1.25, "balanced")])
+    assert s["violations_other"].lo == 0.0 and s["violations_other"].mean == pytest.approx(0.01)
+    assert s["cut"].hi == 1.0 and 0 < s["cut"].lo < 1

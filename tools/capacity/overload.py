@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tools.capacity import store
@@ -70,11 +70,16 @@ def pairs(root: Path, traffic: str, pool: int, quality: dict[int, float] | None)
 
 def summary(found: list[OverloadPair]) -> dict[str, Interval | None]:
     """Mean and 95% interval over seeds of each figure; the cut over the seeds where full missed anything."""
-    def iv(values):
+    def iv(values, share=False):
         values = [v for v in values if v is not None]
-        return mean_interval(values) if values else None
-    return {"violations_full": iv([p.violations[0] for p in found]), "violations_other": iv([p.violations[1] for p in found]),
-            "cut": iv([p.cut for p in found]), "ttft_p95_full": iv([p.full["ttft_p95"] for p in found]),
+        if not values:
+            return None
+        i = mean_interval(values)
+        if share and i.lo is not None:  # a share's t interval can cross 0 or 1; the share cannot
+            i = replace(i, lo=max(0.0, i.lo), hi=min(1.0, i.hi))
+        return i
+    return {"violations_full": iv([p.violations[0] for p in found], True),
+            "violations_other": iv([p.violations[1] for p in found], True), "cut": iv([p.cut for p in found], True), "ttft_p95_full": iv([p.full["ttft_p95"] for p in found]),
             "ttft_p95_other": iv([p.other["ttft_p95"] for p in found]), "ttft_x": iv([p.ttft_x for p in found])}
 
 
