@@ -69,18 +69,20 @@ def regime_map(path: Path, analysis: dict, policies: list[str]) -> None:
 
 
 def frontier(path: Path, title: str, results: dict) -> None:
-    """Capacity (rate scale) against time-weighted perplexity loss at that capacity, each policy one point."""
+    """Capacity as a ratio to full's on the same seeds (so policies searched on different seeds compare)
+    against time-weighted perplexity loss at that capacity, each policy one point labelled with its seed count."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (policy, res) in enumerate(results.items()):
-        if not res.capacity or not res.quality_loss or math.isnan(res.quality_loss.mean):
+        if not res.ratio or not res.quality_loss or math.isnan(res.quality_loss.mean):
             continue
-        y, yerr = _err(res.capacity)
+        y, yerr = _err(res.ratio)
         x, xerr = _err(res.quality_loss)
+        label = f"{policy} ({res.ratio.n} seed{'s' if res.ratio.n != 1 else ''})"
         ax.errorbar([100 * x], [y], xerr=[[100 * e for e in xerr[0]], [100 * e for e in xerr[1]]], yerr=yerr,
-                    marker="o", capsize=3, color=f"C{i}", label=policy)
+                    marker="o", capsize=3, color=f"C{i}", label=label)
         ax.annotate(policy, (100 * x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xlabel("time-weighted perplexity loss at capacity (%)")
-    ax.set_ylabel("capacity (rate scale, 95% CI)")
+    ax.set_ylabel("capacity / full's, same seeds (95% CI)")
     ax.set_title(title)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
