@@ -85,7 +85,13 @@ def test_stop_after_the_server_aborted_by_itself_reports_the_stub_death_before_t
     handle = _stand_in(tmp_path)
     try:
         handle.watch_stubs(interval=60.0)
-        subprocess.run(["kill", "-KILL", str(handle.stub_pids()[0])], check=True)
+        stub = handle.stub_pids()[0]
+        subprocess.run(["kill", "-KILL", str(stub)], check=True)
+        # NOTE: a signal is delivered asynchronously: on a busy machine the stub may run on for a moment after
+        # kill returns; Triton aborts only once the stub is really gone, so wait for that as the server would
+        deadline = time.monotonic() + 10
+        while not _gone(stub) and time.monotonic() < deadline:
+            time.sleep(0.01)
         handle.process.kill()
         handle.process.wait()
         handle.stop()
