@@ -79,8 +79,11 @@ def summary(found: list[OverloadPair]) -> dict[str, Interval | None]:
             i = replace(i, lo=max(0.0, i.lo), hi=min(1.0, i.hi))
         return i
     return {"violations_full": iv([p.violations[0] for p in found], True),
-            "violations_other": iv([p.violations[1] for p in found], True), "cut": iv([p.cut for p in found], True), "ttft_p95_full": iv([p.full["ttft_p95"] for p in found]),
-            "ttft_p95_other": iv([p.other["ttft_p95"] for p in found]), "ttft_x": iv([p.ttft_x for p in found])}
+            "violations_other": iv([p.violations[1] for p in found], True),
+            "cut": iv([p.cut for p in found], True),
+            "ttft_p95_full": iv([p.full["ttft_p95"] for p in found]),
+            "ttft_p95_other": iv([p.other["ttft_p95"] for p in found]),
+            "ttft_x": iv([p.ttft_x for p in found])}
 
 
 def meets_targets(s: dict[str, Interval | None]) -> tuple[bool, bool]:

@@ -38,12 +38,16 @@ def _mean(nums: list[dict], key: str) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
+def _iv(iv: Interval | None, fmt) -> str:
+    if iv is None:
+        return "n/a"
+    f = lambda x: "?" if x is None else fmt(x)  # noqa: E731
+    return f"{fmt(iv.mean)} [{f(iv.lo)}, {f(iv.hi)}]"
+
+
 def _pct(iv) -> str:
     """A relative loss interval in percent."""
-    if not iv:
-        return "n/a"
-    f = lambda x: "?" if x is None else f"{100 * x:+.2f}%"  # noqa: E731
-    return f"{f(iv.mean)} [{f(iv.lo)}, {f(iv.hi)}]"
+    return _iv(iv, lambda x: f"{100 * x:+.2f}%")
 
 
 def _seed_ratios(r: PolicyResult, ref: PolicyResult | None) -> str:
@@ -114,13 +118,6 @@ def same_rate_table(rows: list[tuple[int, float, dict]]) -> list[str]:
                        f"| {_f(n['int4_layers_mean'])} "
                        f"| {_f(n['kv_peak_x'], 'x{:.1f}')} | {n['load_avg_1m'][0]:.1f} -> {n['load_avg_1m'][1]:.1f} |")
     return out + [""]
-
-
-def _iv(iv: Interval | None, fmt) -> str:
-    if iv is None:
-        return "n/a"
-    f = lambda x: "?" if x is None else fmt(x)  # noqa: E731
-    return f"{fmt(iv.mean)} [{f(iv.lo)}, {f(iv.hi)}]"
 
 
 def _pc(x) -> str:

@@ -29,16 +29,22 @@ class ProbeKey:
                 / f"x{self.rate:g}.json")
 
 
+def _replace_with(path: Path, data: dict) -> None:
+    """Write beside, then rename: a killed run leaves no half file that a rerun would take as done."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
 def save(root: Path, key: ProbeKey, result: ReplayResult, probe: dict) -> Path:
-    """Write atomically (a killed run leaves no half file that a rerun would take as done)."""
+    """Write atomically (_replace_with)."""
     path = key.path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_raw(tmp, key.policy, result)
     data = json.loads(tmp.read_text())
     data["probe"] = {**asdict(key), **probe}
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    _replace_with(path, data)
     return path
 
 
@@ -46,9 +52,7 @@ def mark(path: Path, **fields) -> dict:
     """Add fields to a stored probe's block (atomically, as save does); returns the new block."""
     data = json.loads(path.read_text())
     data["probe"].update(fields)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    _replace_with(path, data)
     return data["probe"]
 
 
