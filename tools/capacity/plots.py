@@ -42,20 +42,25 @@ def attainment(path: Path, title: str, results: dict) -> None:
     plt.close(fig)
 
 
-def regime_map(path: Path, analysis: dict, policies: list[str]) -> None:
-    """Capacity ratio to full against pool size, one panel per traffic kind."""
+def regime_map(path: Path, analysis: dict, policies: list[str], pooled: dict | None = None) -> None:
+    """Capacity ratio to full against pool size, one panel per traffic kind; `pooled` (same shape), where
+    given, is drawn hollow and dashed beside it (the reading pooled over several runs)."""
     traffic = sorted({t for t, _ in analysis})
     fig, axes = plt.subplots(1, len(traffic), figsize=(6 * len(traffic), 4.2), squeeze=False)
+    series = [(analysis, "", {"marker": "o"})]
+    if pooled:
+        series.append((pooled, ", all runs pooled", {"marker": "s", "mfc": "none", "ls": "--", "alpha": 0.6}))
     for ax, t in zip(axes[0], traffic):
         for i, policy in enumerate(p for p in policies if p != "full"):
-            pts = [(pool, cell[policy].ratio) for (tt, pool), cell in sorted(analysis.items())
-                   if tt == t and policy in cell and cell[policy].ratio]
-            if not pts:
-                continue
-            xs = [p for p, _ in pts]
-            ys, errs = zip(*(_err(r) for _, r in pts))
-            ax.errorbar(xs, ys, yerr=[[e[0][0] for e in errs], [e[1][0] for e in errs]], marker="o", capsize=3,
-                        color=f"C{i + 1}", label=policy)
+            for cells, suffix, style in series:
+                pts = [(pool, cell[policy].ratio) for (tt, pool), cell in sorted(cells.items())
+                       if tt == t and policy in cell and cell[policy].ratio]
+                if not pts:
+                    continue
+                xs = [p for p, _ in pts]
+                ys, errs = zip(*(_err(r) for _, r in pts))
+                ax.errorbar(xs, ys, yerr=[[e[0][0] for e in errs], [e[1][0] for e in errs]], capsize=3,
+                            color=f"C{i + 1}", label=policy + suffix, **style)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV pool at full precision (tokens)")

@@ -24,9 +24,9 @@ SUMMARY_JSON = "results/replay/capacity.json"
 SUMMARY_PLOT = "results/replay/capacity_regime_map.png"
 
 
-def cell_ratios(summary: dict) -> dict:
-    """{(traffic, pool): {policy: Interval}}: the pooled per-run ratio where two or more runs measured the
-    policy, else the ratio of the newest run that did."""
+def newest_ratios(summary: dict) -> dict:
+    """{(traffic, pool): {policy: Interval}}: the ratio of the newest run that measured the policy (the
+    current code's reading, where the runs are listed oldest first)."""
     out = {}
     for c in summary["cells"]:
         ratios = {}
@@ -35,10 +35,15 @@ def cell_ratios(summary: dict) -> dict:
                 r = figures.get("ratio_to_full")
                 if policy != REFERENCE and r and r.get("mean") is not None:
                     ratios[policy] = interval_of(r)
-        for policy, pooled in c["pooled"].items():
-            ratios[policy] = interval_of(pooled["ratio_per_run"])
         out[(c["traffic"], c["pool_tokens"])] = ratios
     return out
+
+
+def pooled_ratios(summary: dict) -> dict:
+    """{(traffic, pool): {policy: Interval}}: the pooled per-run ratio, only where two or more runs measured
+    the policy."""
+    return {(c["traffic"], c["pool_tokens"]): {p: interval_of(v["ratio_per_run"]) for p, v in c["pooled"].items()}
+            for c in summary["cells"]}
 
 
 def summarize(folders: list[Path]) -> dict:
@@ -87,13 +92,24 @@ def summarize(folders: list[Path]) -> dict:
             "cells": sorted(cells.values(), key=lambda c: (c["traffic"], c["pool_tokens"]))}
 
 
+def mapped(ratios: dict) -> dict:
+    """Only what a map against pool size can show: for each traffic kind, the policies measured at two or more
+    pools (a single pool is one point, read in its run's report and on the frontier)."""
+    pools_of: dict[tuple[str, str], int] = {}
+    for (traffic, _), cell in ratios.items():
+        for policy in cell:
+            pools_of[(traffic, policy)] = pools_of.get((traffic, policy), 0) + 1
+    kept = {k: {p: iv for p, iv in cell.items() if pools_of[(k[0], p)] >= 2} for k, cell in ratios.items()}
+    return {k: cell for k, cell in kept.items() if cell}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.capacity.summary", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="capacity run folders (each with its capacity.json), oldest first")
     ap.add_argument("--json", type=Path, default=Path(SUMMARY_JSON))
     ap.add_argument("--plot", type=Path, default=Path(SUMMARY_PLOT),
-                    help="the regime map over every run (pooled ratio where runs were pooled)")
+                    help="the regime map: each cell's newest run, and the pooled ratio where runs were pooled")
     args = ap.parse_args(argv)
     try:
         summary = summarize(args.runs)
@@ -111,9 +127,16 @@ def main(argv=None) -> int:
 
     from tools.capacity.plots import regime_map  # matplotlib only here
 
-    ratios = cell_ratios(summary)
-    regime_map(args.plot, {k: {p: SimpleNamespace(ratio=iv) for p, iv in v.items()} for k, v in ratios.items()},
-               sorted({p for v in ratios.values() for p in v}))
+    def as_analysis(ratios):
+        return {k: {p: SimpleNamespace(ratio=iv) for p, iv in v.items()} for k, v in ratios.items()}
+
+    # The newest run of each cell is the current code's reading; the pooled one (hollow) shows how much the
+    # cell moved across the commits its runs measured.
+    newest, pooled = mapped(newest_ratios(summary)), mapped(pooled_ratios(summary))
+    if not newest:  # no policy at two pools yet: every cell's point, so the map still shows what there is
+        newest, pooled = newest_ratios(summary), pooled_ratios(summary)
+    regime_map(args.plot, as_analysis(newest), sorted({p for v in newest.values() for p in v}),
+               pooled=as_analysis(pooled))
     print(f"[summary] wrote {args.json} and {args.plot}")
     return 0
 
