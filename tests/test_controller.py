@@ -1,7 +1,7 @@
 """The controller on synthetic signal traces: bursts swap quickly, quiet restores, steady load never flaps."""
 import pytest
 
-from trtllm_backend.controller import TPOT_PRESSURE_SHARE, Controller, Signals, parse_forced, parse_policy
+from trtllm_backend.controller import TPOT_PRESSURE_SHARE, TTFT_PRESSURE_SHARE, Controller, Signals, parse_forced, parse_policy
 
 
 def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, tpot=0.0, faster=False):
@@ -183,3 +183,51 @@ def test_quiet_spell_counts_from_the_end_of_an_action_in_flight():
             break
         t += 0.05
     assert restore_at is not None and restore_at - landed >= c.policy.up_quiet_s - 1e-9
+
+
+# ---- queueing as pressure (morph_down_ttft_s) -----------------------------------------------------------------
+QUEUE = {"down_ttft_s": 1.0}
+QUEUED = dict(waiting=5, head_wait=1.5, usage=0.6, faster=True)  # waited 1.5 s, KV not short, swap measured faster
+
+
+def test_a_queue_waiting_on_compute_swaps_where_quantized_is_faster():
+    c = Controller(parse_policy("balanced", 31, QUEUE))
+    int4, actions = run(c, [dict()] * 3 + [QUEUED] * 3)
+    assert actions[0] == (3 + c.policy.down_persist - 1, "down", c.policy.layers_per_action)
+    assert "KV cache not short" in c.pressure(signals(0.0, **QUEUED))[0]
+
+
+@pytest.mark.parametrize("what", [dict(faster=False), dict(waiting=0), dict(head_wait=0.9)])
+def test_queueing_is_not_pressure_without_each_condition(what):
+    c = Controller(parse_policy("balanced", 31, QUEUE))
+    assert run(c, [{**QUEUED, **what}] * 100) == (0, [])
+    off = Controller(parse_policy("balanced", 31))  # without a TTFT SLO queueing is never pressure
+    assert run(off, [QUEUED] * 100) == (0, [])
+
+
+def test_a_queue_short_of_kv_is_named_once_as_kv_pressure():
+    c = Controller(parse_policy("balanced", 31, QUEUE))
+    why = c.pressure(signals(0.0, **{**QUEUED, "usage": 0.95}))
+    assert len(why) == 1 and "for KV blocks" in why[0]
+
+
+def test_the_ttft_slo_sets_the_queueing_pressure_of_dynamic_policies_only():
+    for name in ("accuracy", "balanced", "performance"):
+        assert parse_policy(name, 31, ttft_slo_s=2.0).down_ttft_s == pytest.approx(TTFT_PRESSURE_SHARE * 2.0)
+        assert parse_policy(name, 31, ttft_slo_s=0.0).down_ttft_s == 0.0
+    for name in ("full", "int4", "int4:5"):
+        assert parse_policy(name, 31, ttft_slo_s=2.0).down_ttft_s == 0.0
+    assert parse_policy("balanced", 31, {"down_ttft_s": 0}, ttft_slo_s=2.0).down_ttft_s == 0.0
+    assert parse_policy("balanced", 31, {"down_ttft_s": 0.4}, ttft_slo_s=2.0).down_ttft_s == 0.4
+    with pytest.raises(ValueError, match="ttft_slo_s"):
+        parse_policy("balanced", 31, ttft_slo_s=-1.0)
+    with pytest.raises(ValueError, match="morph_down_ttft_s"):
+        parse_policy("balanced", 31, {"down_ttft_s": -0.5})
+
+
+def test_a_drained_queue_restores_after_the_quiet_spell():
+    c = Controller(parse_policy("balanced", 31, QUEUE))
+    int4, actions = run(c, [QUEUED] * 2 + [dict(usage=0.3, after=0.3)] * 100)
+    assert int4 == 0 and [k for _, k, _ in actions] == ["down", "up"]
+    first_up = next(i for i, k, _ in actions if k == "up")
+    assert (first_up - 1) * 0.05 >= c.policy.up_quiet_s - 1e-9

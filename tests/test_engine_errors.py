@@ -110,9 +110,10 @@ def test_bad_config_values_are_named():
         EngineConfig(fragment_dir="x", dtype="int3")
     with pytest.raises(ValueError, match="weight_dtype must be"):
         EngineConfig(fragment_dir="x", weight_dtype="int4")
-    for slo in (-0.1, float("nan"), float("inf"), "0.35"):
-        with pytest.raises(ValueError, match="tpot_slo_s must be"):
-            EngineConfig(fragment_dir="x", tpot_slo_s=slo)
+    for name in ("tpot_slo_s", "ttft_slo_s"):
+        for slo in (-0.1, float("nan"), float("inf"), "0.35"):
+            with pytest.raises(ValueError, match=f"{name} must be"):
+                EngineConfig(fragment_dir="x", **{name: slo})
     for share in (-0.1, 1.5, float("nan"), "0.5", True):
         with pytest.raises(ValueError, match="prefill_chunk_tpot_share must be in"):
             EngineConfig(fragment_dir="x", prefill_chunk_tpot_share=share)

@@ -52,6 +52,10 @@ class EngineConfig:
     # requests waiting (controller.TPOT_PRESSURE_SHARE of it), where INT4 was measured faster at load. The
     # default is the SLO the capacity reports hold this CPU to (tools/capacity/slo.py).
     tpot_slo_s: float = 0.35
+    # The deployment's TTFT SLO in seconds (0: none). A dynamic policy then also morphs when the head of the queue
+    # has waited longer than controller.TTFT_PRESSURE_SHARE of it with the KV cache not short (the step, not the
+    # memory, is the limit), where INT4 was measured faster at load. Default: the capacity reports' SLO.
+    ttft_slo_s: float = 2.0
     # A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from the
     # measured cost of a token (trtllm_backend/step_budget.py). 0: every step may fill max_num_tokens.
     prefill_chunk_tpot_share: float = 0.5
@@ -87,8 +91,10 @@ class EngineConfig:
             raise ValueError(f"lm_head_activations must be auto, int8 or float32, got {self.lm_head_activations!r}")
         if self.int4_activations not in ("int8", "float32"):
             raise ValueError(f"int4_activations must be int8 or float32, got {self.int4_activations!r}")
-        if not (isinstance(self.tpot_slo_s, (int, float)) and 0 <= self.tpot_slo_s < float("inf")):
-            raise ValueError(f"tpot_slo_s must be a finite number >= 0 (0: no TPOT SLO), got {self.tpot_slo_s!r}")
+        for name in ("tpot_slo_s", "ttft_slo_s"):
+            slo = getattr(self, name)
+            if not (isinstance(slo, (int, float)) and 0 <= slo < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0 (0: no {name[:4].upper()} SLO), got {slo!r}")
         share = self.prefill_chunk_tpot_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
             raise ValueError(f"prefill_chunk_tpot_share must be in [0, 1] (0: chunks fill max_num_tokens), got {share!r}")

@@ -1,9 +1,11 @@
 """When to morph: policies and the controller that turns per-iteration signals into actions.
 
-Two pressures swap down: a KV shortage (always), and decode time (only with `down_tpot_s` set, and only where
-the morph manager measured the next unit's quantized form faster than its full one at the current decode
-batch): TPOT above `down_tpot_s` with requests waiting. A dynamic policy takes `down_tpot_s` from the
-deployment's TPOT SLO (`tpot_slo_s`, TPOT_PRESSURE_SHARE of it) unless it is set itself.
+Three pressures swap down: a KV shortage (always), and two kinds of slowness, each only where the morph manager
+measured the next unit's quantized form faster than its full one at the current decode batch: decode time (TPOT
+above `down_tpot_s` with requests waiting) and queueing (the head of the queue waiting longer than `down_ttft_s`
+though the KV cache is not short: the engine's compute, not its memory, is the limit, and faster layers serve
+more). A dynamic policy takes `down_tpot_s` and `down_ttft_s` from the deployment's SLOs (`tpot_slo_s`,
+`ttft_slo_s`; TPOT_PRESSURE_SHARE and TTFT_PRESSURE_SHARE of them) unless they are set themselves.
 
 Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
 and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the end of
@@ -25,6 +27,9 @@ STATIC_INT4_FORM = re.compile(r"int4:(\d+)")
 # land (staging, a few iterations) before the P95 crosses the SLO. 0.3 s under a 0.35 s SLO measured 1.19x
 # the KV-only controller's capacity (results/replay/capacity_pool256_tpot).
 TPOT_PRESSURE_SHARE = 0.85
+# The head of the queue waiting longer than this share of the TTFT SLO is pressure (where a swap is faster): the
+# other half of the SLO is left for its prefill and for the swap to take effect.
+TTFT_PRESSURE_SHARE = 0.5
 
 
 def is_policy_spec(spec: str) -> bool:
@@ -47,9 +52,15 @@ class MorphPolicy:
     up_quiet_s: float = 2.0  # seconds without pressure before restoring
     down_tpot_s: float = 0.0  # the TPOT SLO: decode slower than this with requests waiting is pressure (0: off)
     up_tpot_ratio: float = 0.7  # with down_tpot_s set, restore only while TPOT <= this fraction of it
+    down_ttft_s: float = 0.0  # the head of the queue waiting longer than this, KV not short, is pressure (0: off)
 
     TUNABLE = ("layers_per_action", "max_int4_layers", "down_kv_usage", "down_queue_wait_s", "down_persist", "up_kv_usage",
-               "up_quiet_s", "down_tpot_s", "up_tpot_ratio")
+               "up_quiet_s", "down_tpot_s", "up_tpot_ratio", "down_ttft_s")
+
+    @property
+    def slowness_counts(self) -> bool:
+        """Decode time or queueing can be pressure (then the morph manager measures whether a swap is faster)."""
+        return bool(self.down_tpot_s or self.down_ttft_s)
 
     def validate(self, num_layers: int) -> None:
         def bad(name, why):
@@ -72,6 +83,8 @@ class MorphPolicy:
             bad("up_quiet_s" if self.up_quiet_s < 0 else "down_queue_wait_s", "must be >= 0")
         if self.down_tpot_s < 0:
             bad("down_tpot_s", "must be >= 0 (0 turns the decode-time pressure off)")
+        if self.down_ttft_s < 0:
+            bad("down_ttft_s", "must be >= 0 (0 turns the queueing pressure off)")
         if not 0.0 < self.up_tpot_ratio < 1.0:
             bad("up_tpot_ratio", "must be in (0, 1) (hysteresis)")
 
@@ -87,13 +100,16 @@ def _modes(num_layers: int) -> dict[str, MorphPolicy]:
     }
 
 
-def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot_slo_s: float = 0.0) -> MorphPolicy:
+def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot_slo_s: float = 0.0,
+                 ttft_slo_s: float = 0.0) -> MorphPolicy:
     """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides. `num_layers` counts the swappable
     units: the decoder layers, plus the tied embedding / LM head where the fragment set has its INT8 fragment
     (then "int4" and `int4:N` take the head too at its place in the swap order, and the limits count it).
-    `tpot_slo_s` (0: none) sets a dynamic policy's decode-time pressure unless `overrides` sets down_tpot_s."""
-    if tpot_slo_s < 0 or not math.isfinite(tpot_slo_s):
-        raise ValueError(f"tpot_slo_s: must be >= 0 (0: no TPOT SLO, no decode-time pressure), got {tpot_slo_s!r}")
+    `tpot_slo_s` / `ttft_slo_s` (0: none) set a dynamic policy's decode-time / queueing pressure unless `overrides`
+    sets down_tpot_s / down_ttft_s."""
+    for name, slo, what in (("tpot_slo_s", tpot_slo_s, "decode-time"), ("ttft_slo_s", ttft_slo_s, "queueing")):
+        if slo < 0 or not math.isfinite(slo):
+            raise ValueError(f"{name}: must be >= 0 (0: no SLO, no {what} pressure), got {slo!r}")
     spec = (spec or "").strip().lower()
     modes = _modes(num_layers)
     if spec in modes:
@@ -111,7 +127,7 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot
     else:
         raise ValueError(f"morph_policy: unknown policy {spec!r} ({', '.join(POLICY_NAMES)}, int4:N)")
     if policy.dynamic:
-        policy = replace(policy, down_tpot_s=TPOT_PRESSURE_SHARE * tpot_slo_s)
+        policy = replace(policy, down_tpot_s=TPOT_PRESSURE_SHARE * tpot_slo_s, down_ttft_s=TTFT_PRESSURE_SHARE * ttft_slo_s)
     if overrides:
         known = {f.name: f.type for f in fields(MorphPolicy)}
         for key, value in overrides.items():
@@ -211,19 +227,20 @@ class Controller:
         it while a restore drains KV (a restore gives way to returning pressure, morph.py)."""
         p = self.policy
         why = []
-        # NOTE: morphing only buys KV blocks, so only a KV shortage counts as pressure. A queue that waits
-        # because an iteration is slow (or the batch is full) is not helped by quantizing, and reacting to it
-        # made the server swap down and up on every arrival.
         kv_short = s.waiting and (s.admission_blocked or s.kv_usage >= p.down_kv_usage)
         if kv_short and s.head_wait_s >= p.down_queue_wait_s:
             why.append(f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})")
         if s.new_preemptions:
             why.append(f"{s.new_preemptions} preemption(s)")
-        # NOTE: decode time counts only where a swap was measured to make decode faster on this machine: there,
-        # morphing helps a queue that waits on slow iterations too (elsewhere it would not, see above).
+        # NOTE: slowness counts only where a swap was measured to make a step faster on this machine. Where it
+        # does not (INT4 no faster than full), a queue waiting on slow iterations is not helped by quantizing, and
+        # reacting to it made the server swap down and up on every arrival.
         if p.down_tpot_s and s.waiting and s.tpot_s > p.down_tpot_s and s.swap_speeds_up:
             why.append(f"TPOT {s.tpot_s * 1e3:.1f} ms above the SLO {p.down_tpot_s * 1e3:.1f} ms with {s.waiting} "
                        f"waiting (the next swap measured faster)")
+        if p.down_ttft_s and s.waiting and not kv_short and s.head_wait_s > p.down_ttft_s and s.swap_speeds_up:
+            why.append(f"head of queue waited {s.head_wait_s:.2f}s (over {p.down_ttft_s:.2f}s) with the KV cache not "
+                       f"short ({s.waiting} waiting; the next swap measured faster)")
         return why
 
 

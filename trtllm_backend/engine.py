@@ -84,7 +84,7 @@ class LLMEngine:
         self._stats = EngineStats()
         # The policy counts units: the layers, and the tied embedding / LM head where the set has its INT8 fragment.
         units = mc.num_layers + (1 if self.manifest.head_swappable() else 0)
-        policy = parse_policy(config.morph_policy, units, config.morph_overrides, config.tpot_slo_s)
+        policy = parse_policy(config.morph_policy, units, config.morph_overrides, config.tpot_slo_s, config.ttft_slo_s)
         self.morph = MorphManager(policy, manifest=self.manifest, store=self.store, slots=self.model.slots, pool=self.pool,
                                   shared_nbytes=self.model.shared_nbytes, counters=self.counters, head=self.model.head,
                                   budget_bytes=config.memory_budget_bytes, forced=config.forced_morph_actions())
@@ -263,7 +263,7 @@ class LLMEngine:
             int4_layers=m.morphed_units,
             usage_after_shrink=m.usage_after_shrink(),
             tpot_s=self._tpot,
-            swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.down_tpot_s else False,
+            swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.slowness_counts else False,
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
         if self.config.check_invariants:

@@ -40,8 +40,8 @@ from .precision import Precision
 
 log = logging.getLogger("morphserve.morph")
 
-# The decode-speed calibration (TPOT pressure): batches timed, runs per form (the fastest counts), the buffer
-# streamed before each run to evict the weights (larger than this CPU's L3), and the speed-up that counts.
+# The decode-speed calibration (TPOT and queueing pressure): batches timed, runs per form (the fastest counts),
+# the buffer streamed before each run to evict the weights (larger than this CPU's L3), and the speed-up that counts.
 CALIBRATION_BATCHES = (1, 4, 16, 32)
 CALIBRATION_REPS = 5
 CALIBRATION_FLUSH_BYTES = 64 << 20
@@ -138,9 +138,9 @@ class MorphManager:
             )
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
-        # full / quantized decode time of each kind of unit by batch (the TPOT pressure's evidence), measured here
+        # full / quantized decode time of each kind of unit by batch (the slowness pressures' evidence), measured here
         self.speedup: dict[str, dict[int, float]] = {}
-        if self.policy.dynamic and self.policy.down_tpot_s and self.quantizable:
+        if self.policy.dynamic and self.policy.slowness_counts and self.quantizable:
             self._calibrate()
         if (self.policy.dynamic or self.policy.static_int4_layers) and not self.quantizable:
             if self.policy.static_int4_layers:
@@ -188,7 +188,8 @@ class MorphManager:
             wait_futures([self.job.future], timeout=timeout_s)
 
     def swap_speeds_up(self, batch: int) -> bool:
-        """Whether the next swap down was measured to make a decode step of `batch` rows faster (TPOT pressure)."""
+        """Whether the next swap down was measured to make a decode step of `batch` rows faster (TPOT and queueing
+        pressure)."""
         candidates = self._candidates() if self.speedup else []
         if not candidates:
             return False
@@ -200,7 +201,7 @@ class MorphManager:
     def _calibrate(self) -> None:
         """Time the first layer and (when a unit) the head of the swap order, full vs quantized, at decode batch
         sizes. Cold: a buffer larger than the caches is streamed before each run, since in decode every weight
-        comes from memory. Runs at load, only with the TPOT pressure on (0.9 s here with the head, one busy core)."""
+        comes from memory. Runs at load, only with the TPOT or queueing pressure on (0.9 s here with the head, one busy core)."""
         import torch
 
         t0 = time.monotonic()

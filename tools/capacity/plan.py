@@ -66,8 +66,9 @@ class Plan:
                 raise ValueError(f"pool(s) {small} cannot hold one {t.name} request of up to {t.max_tokens()} tokens")
 
     def server_params(self, pool: int) -> dict[str, str]:
-        # The server is told the TPOT SLO it is judged by (a dynamic policy's decode-time pressure follows it).
-        return {**BASE_PARAMS, "tpot_slo_s": str(self.slos.tpot_s), **self.params, "max_tokens_in_paged_kv_cache": str(pool)}
+        # The server is told the SLOs it is judged by (a dynamic policy's decode-time and queueing pressures follow).
+        slos = {"tpot_slo_s": str(self.slos.tpot_s), "ttft_slo_s": str(self.slos.ttft_s)}
+        return {**BASE_PARAMS, **slos, **self.params, "max_tokens_in_paged_kv_cache": str(pool)}
 
     def run(self) -> None:
         prompts = PromptSource(load_tokenizer(DEFAULT_FRAGMENTS), DEFAULT_CORPUS)

@@ -158,6 +158,10 @@ PARAMS: tuple[Param, ...] = (
           "with requests waiting, where INT4 was measured faster at load, and prefill chunks are cut to keep "
           "decoding streams within it (0: no SLO, KV pressure only, full chunks).",
           at_least(0.0)),
+    Param("ttft_slo_s", "float", "2.0", "engine.ttft_slo_s",
+          "The deployment's TTFT SLO in seconds: a dynamic policy also morphs when the head of the queue has waited "
+          "longer than half of it with the KV cache not short, where INT4 was measured faster at load (0: off).",
+          at_least(0.0)),
     Param("prefill_chunk_tpot_share", "float", "0.5", "engine.prefill_chunk_tpot_share",
           "A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from "
           "the measured cost of a token (0: chunks fill max_num_tokens).",
@@ -184,6 +188,8 @@ PARAMS: tuple[Param, ...] = (
          "next swap was measured faster at load (empty: 0.85 x tpot_slo_s; 0: off).", at_least(0.0)),
         ("up_tpot_ratio", "float", "With morph_down_tpot_s: restore only while TPOT <= this fraction of it.",
          in_half_open(0.0, 1.0)),
+        ("down_ttft_s", "float", "Seconds the head of the queue may wait, the KV cache not short, before it is "
+         "pressure where the next swap was measured faster at load (empty: 0.5 x ttft_slo_s; 0: off).", at_least(0.0)),
     )),
     # Defaults for requests that omit a sampling input.
     Param("default_max_tokens", "int", "64", "sampling.max_tokens", "max_tokens when a request has none.",
