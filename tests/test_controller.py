@@ -193,7 +193,8 @@ QUEUED = dict(waiting=5, head_wait=1.5, usage=0.6, faster=True)  # waited 1.5 s,
 def test_a_queue_waiting_on_compute_swaps_where_quantized_is_faster():
     c = Controller(parse_policy("balanced", 31, QUEUE))
     int4, actions = run(c, [dict()] * 3 + [QUEUED] * 3)
-    assert actions[0] == (3 + c.policy.down_persist - 1, "down", c.policy.layers_per_action)
+    # at once (the head's wait is its own persistence), and again while it keeps waiting
+    assert actions == [(i, "down", c.policy.layers_per_action) for i in (3, 4, 5)]
     assert "KV cache not short" in c.pressure(signals(0.0, **QUEUED))[0]
 
 
@@ -227,7 +228,12 @@ def test_the_ttft_slo_sets_the_queueing_pressure_of_dynamic_policies_only():
 
 def test_a_drained_queue_restores_after_the_quiet_spell():
     c = Controller(parse_policy("balanced", 31, QUEUE))
-    int4, actions = run(c, [QUEUED] * 2 + [dict(usage=0.3, after=0.3)] * 100)
-    assert int4 == 0 and [k for _, k, _ in actions] == ["down", "up"]
+    int4, actions = run(c, [QUEUED] * 2 + [dict(usage=0.3, after=0.3)] * 200)
+    assert int4 == 0 and [k for _, k, _ in actions] == ["down", "down", "up", "up"]
     first_up = next(i for i, k, _ in actions if k == "up")
     assert (first_up - 1) * 0.05 >= c.policy.up_quiet_s - 1e-9
+
+
+def test_queueing_stops_at_the_policys_limit():
+    c = Controller(parse_policy("balanced", 31, QUEUE))
+    assert run(c, [QUEUED] * 100)[0] == c.policy.max_int4_layers
