@@ -212,11 +212,10 @@ def test_a_queue_short_of_kv_is_named_once_as_kv_pressure():
     assert len(why) == 1 and "for KV blocks" in why[0]
 
 
-def test_the_ttft_slo_sets_the_queueing_pressure_of_dynamic_policies_only():
-    for name in ("accuracy", "balanced", "performance"):
-        assert parse_policy(name, 31, ttft_slo_s=2.0).down_ttft_s == pytest.approx(TTFT_PRESSURE_SHARE * 2.0)
-        assert parse_policy(name, 31, ttft_slo_s=0.0).down_ttft_s == 0.0
-    for name in ("full", "int4", "int4:5"):
+def test_the_ttft_slo_sets_the_queueing_pressure_of_the_capacity_first_mode_only():
+    assert parse_policy("performance", 31, ttft_slo_s=2.0).down_ttft_s == pytest.approx(TTFT_PRESSURE_SHARE * 2.0)
+    assert parse_policy("performance", 31, ttft_slo_s=0.0).down_ttft_s == 0.0
+    for name in ("accuracy", "balanced", "full", "int4", "int4:5"):  # quality first, or static
         assert parse_policy(name, 31, ttft_slo_s=2.0).down_ttft_s == 0.0
     assert parse_policy("balanced", 31, {"down_ttft_s": 0}, ttft_slo_s=2.0).down_ttft_s == 0.0
     assert parse_policy("balanced", 31, {"down_ttft_s": 0.4}, ttft_slo_s=2.0).down_ttft_s == 0.4

@@ -189,9 +189,26 @@ def test_decode_time_pressure_swaps_only_where_a_swap_was_measured_faster(monkey
     assert run(True).swaps_down >= 1
     # no SLO: nothing measured at load; either default SLO turns its pressure on, so it measures
     assert make_engine(morph_policy="balanced", tpot_slo_s=0, ttft_slo_s=0).morph.speedup == {}
-    for slos in (dict(tpot_slo_s=0), dict(ttft_slo_s=0), {}):
-        m = make_engine(morph_policy="balanced", **slos).morph
+    for policy, slos in (("performance", dict(tpot_slo_s=0)), ("balanced", dict(ttft_slo_s=0)), ("balanced", {})):
+        m = make_engine(morph_policy=policy, **slos).morph
         assert m.policy.slowness_counts and m.speedup
+
+
+def test_queueing_pressure_swaps_while_requests_wait_on_compute(monkeypatch, layer_set):
+    from trtllm_backend.morph import MorphManager
+
+    def run(faster):
+        # one request runs at a time and the pool is large: the others wait on the step, not on KV blocks
+        engine = make_engine(morph_policy="balanced", max_batch_size=1, tpot_slo_s=0,
+                             morph_overrides={"down_ttft_s": 1e-6}, fragment_dir=str(layer_set))
+        monkeypatch.setattr(MorphManager, "swap_speeds_up", lambda self, batch: faster)
+        outs = collect(engine, PROMPTS[:3], 6)
+        assert all(o[-1].finish_reason == "length" for o in outs.values())
+        assert not engine.check_invariants()
+        return engine.counters
+
+    assert run(False).swaps_down == 0
+    assert run(True).swaps_down >= 1
 
 
 def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):

@@ -52,9 +52,10 @@ class EngineConfig:
     # requests waiting (controller.TPOT_PRESSURE_SHARE of it), where INT4 was measured faster at load. The
     # default is the SLO the capacity reports hold this CPU to (tools/capacity/slo.py).
     tpot_slo_s: float = 0.35
-    # The deployment's TTFT SLO in seconds (0: none). A dynamic policy then also morphs when the head of the queue
-    # has waited longer than controller.TTFT_PRESSURE_SHARE of it with the KV cache not short (the step, not the
-    # memory, is the limit), where INT4 was measured faster at load. Default: the capacity reports' SLO.
+    # The deployment's TTFT SLO in seconds (0: none). The performance policy (controller.QUEUEING_MODES) then also
+    # morphs when the head of the queue has waited longer than controller.TTFT_PRESSURE_SHARE of it with the KV
+    # cache not short (the step, not the memory, is the limit), where INT4 was measured faster at load; the other
+    # dynamic policies with morph_down_ttft_s set. Default: the capacity reports' SLO.
     ttft_slo_s: float = 2.0
     # A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from the
     # measured cost of a token (trtllm_backend/step_budget.py). 0: every step may fill max_num_tokens.

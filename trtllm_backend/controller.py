@@ -4,8 +4,9 @@ Three pressures swap down: a KV shortage (always), and two kinds of slowness, ea
 measured the next unit's quantized form faster than its full one at the current decode batch: decode time (TPOT
 above `down_tpot_s` with requests waiting) and queueing (the head of the queue waiting longer than `down_ttft_s`
 though the KV cache is not short: the engine's compute, not its memory, is the limit, and faster layers serve
-more). A dynamic policy takes `down_tpot_s` and `down_ttft_s` from the deployment's SLOs (`tpot_slo_s`,
-`ttft_slo_s`; TPOT_PRESSURE_SHARE and TTFT_PRESSURE_SHARE of them) unless they are set themselves.
+more). A dynamic policy takes `down_tpot_s` from the deployment's TPOT SLO (`tpot_slo_s`, TPOT_PRESSURE_SHARE of
+it), and the QUEUEING_MODES take `down_ttft_s` from its TTFT SLO (`ttft_slo_s`, TTFT_PRESSURE_SHARE of it),
+unless they are set themselves.
 
 Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
 and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the end of
@@ -31,6 +32,12 @@ TPOT_PRESSURE_SHARE = 0.85
 # rest is left for the swaps to take effect and the queue to drain. At pool 2048 (conversation trace, seed 8, x0.9
 # of the trace's rate) `performance` met 48% of the SLOs with the trigger at 1 s and 99% at 0.5 s.
 TTFT_PRESSURE_SHARE = 0.25
+# The modes that take the queueing pressure from the TTFT SLO by default. It buys capacity with quality: at pool
+# 2048 performance served 1.53x full's rate (+4.1% perplexity at capacity), balanced 1.13x (+1.5%); at pool 256
+# balanced gained 1.1-1.2x over itself without it but its loss rose from +0.14% to +1.49%, past a fifth of static
+# INT4's (results/replay/capacity_queueing/notes.md). So only the mode that puts capacity first has it on; the
+# others take it from morph_down_ttft_s.
+QUEUEING_MODES = ("performance",)
 
 
 def is_policy_spec(spec: str) -> bool:
@@ -128,7 +135,8 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot
     else:
         raise ValueError(f"morph_policy: unknown policy {spec!r} ({', '.join(POLICY_NAMES)}, int4:N)")
     if policy.dynamic:
-        policy = replace(policy, down_tpot_s=TPOT_PRESSURE_SHARE * tpot_slo_s, down_ttft_s=TTFT_PRESSURE_SHARE * ttft_slo_s)
+        queueing = TTFT_PRESSURE_SHARE * ttft_slo_s if policy.name in QUEUEING_MODES else 0.0
+        policy = replace(policy, down_tpot_s=TPOT_PRESSURE_SHARE * tpot_slo_s, down_ttft_s=queueing)
     if overrides:
         known = {f.name: f.type for f in fields(MorphPolicy)}
         for key, value in overrides.items():

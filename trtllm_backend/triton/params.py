@@ -159,8 +159,9 @@ PARAMS: tuple[Param, ...] = (
           "decoding streams within it (0: no SLO, KV pressure only, full chunks).",
           at_least(0.0)),
     Param("ttft_slo_s", "float", "2.0", "engine.ttft_slo_s",
-          "The deployment's TTFT SLO in seconds: a dynamic policy also morphs when the head of the queue has waited "
-          "longer than a quarter of it with the KV cache not short, where INT4 was measured faster at load (0: off).",
+          "The deployment's TTFT SLO in seconds: the performance policy also morphs when the head of the queue has "
+          "waited longer than a quarter of it with the KV cache not short, where INT4 was measured faster at load "
+          "(0: off; other dynamic policies: morph_down_ttft_s).",
           at_least(0.0)),
     Param("prefill_chunk_tpot_share", "float", "0.5", "engine.prefill_chunk_tpot_share",
           "A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from "
@@ -189,7 +190,8 @@ PARAMS: tuple[Param, ...] = (
         ("up_tpot_ratio", "float", "With morph_down_tpot_s: restore only while TPOT <= this fraction of it.",
          in_half_open(0.0, 1.0)),
         ("down_ttft_s", "float", "Seconds the head of the queue may wait, the KV cache not short, before it is "
-         "pressure where the next swap was measured faster at load (empty: 0.25 x ttft_slo_s; 0: off).", at_least(0.0)),
+         "pressure where the next swap was measured faster at load (empty: 0.25 x ttft_slo_s for performance, 0 "
+         "for the other policies; 0: off).", at_least(0.0)),
     )),
     # Defaults for requests that omit a sampling input.
     Param("default_max_tokens", "int", "64", "sampling.max_tokens", "max_tokens when a request has none.",
