@@ -33,7 +33,7 @@ TPOT_PRESSURE_SHARE = 0.85
 # of the trace's rate) `performance` met 48% of the SLOs with the trigger at 1 s and 99% at 0.5 s.
 TTFT_PRESSURE_SHARE = 0.25
 # The modes that take the queueing pressure from the TTFT SLO by default. It buys capacity with quality: at pool
-# 2048 performance served 1.53x full's rate (+4.1% perplexity at capacity), balanced 1.13x (+1.5%); at pool 256
+# 2048 performance served 1.62x full's rate (+4.4% perplexity at capacity), balanced 1.13x (+1.5%); at pool 256
 # balanced gained 1.1-1.2x over itself without it but its loss rose from +0.14% to +1.49%, past a fifth of static
 # INT4's (results/replay/capacity_queueing/notes.md). So only the mode that puts capacity first has it on; the
 # others take it from morph_down_ttft_s.
