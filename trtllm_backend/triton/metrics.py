@@ -126,6 +126,18 @@ class TritonMetrics:
     # --- updates ----------------------------------------------------------------------------------------------
     def update(self, stats: EngineStats, active: int) -> None:
         """From the metrics thread, with a fresh engine.stats() snapshot (reading one changes nothing)."""
+        # NOTE: counters first: a scrape between the two halves then never sees a gauge ahead of the counters
+        # that explain it (int4_layers back at 0 with the restore not yet counted broke a CI run).
+        self.preemptions.advance(stats.preemptions)
+        self.prompt_tokens.advance(stats.prompt_tokens)
+        self.generation_tokens.advance(stats.generation_tokens)
+        self.swaps["down"].advance(stats.swaps_down)
+        self.swaps["up"].advance(stats.swaps_up)
+        self.resizes["grow"].advance(stats.kv_grows)
+        self.resizes["shrink"].advance(stats.kv_shrinks)
+        self.swap_failures.advance(stats.swap_failures)
+        self.restores_called_off.advance(stats.restores_called_off)
+        self.invariant_violations.advance(stats.invariant_violations)
         self.requests["active"].set(active)
         self.requests["waiting"].set(stats.waiting)
         self.requests["scheduled"].set(stats.running)
@@ -137,16 +149,6 @@ class TritonMetrics:
         self.lm_head_int8.set(stats.lm_head_int8)
         self.memory["budget"].set(stats.memory_budget_bytes)
         self.memory["used"].set(stats.memory_used_bytes)
-        self.preemptions.advance(stats.preemptions)
-        self.prompt_tokens.advance(stats.prompt_tokens)
-        self.generation_tokens.advance(stats.generation_tokens)
-        self.swaps["down"].advance(stats.swaps_down)
-        self.swaps["up"].advance(stats.swaps_up)
-        self.resizes["grow"].advance(stats.kv_grows)
-        self.resizes["shrink"].advance(stats.kv_shrinks)
-        self.swap_failures.advance(stats.swap_failures)
-        self.restores_called_off.advance(stats.restores_called_off)
-        self.invariant_violations.advance(stats.invariant_violations)
         if stats.swaps_timed < self._swaps_seen:  # a new engine counts from zero again
             self._swaps_seen = 0
         for prepare_s, apply_s in stats.timings_since(self._swaps_seen):
