@@ -234,19 +234,22 @@ class Controller:
         if self.policy.dynamic and self.pressure(s):
             self.last_pressure = s.now
 
+    def kv_short(self, s: Signals) -> bool:
+        """Requests wait and the KV cache is what they wait for (admission blocked, or usage past the threshold)."""
+        return bool(s.waiting and (s.admission_blocked or s.kv_usage >= self.policy.down_kv_usage))
+
     def queueing(self, s: Signals) -> bool:
         """The head of the queue waited past down_ttft_s with the KV cache not short, and a swap is faster."""
         p = self.policy
-        kv_short = s.admission_blocked or s.kv_usage >= p.down_kv_usage
-        return bool(p.down_ttft_s and s.waiting and not kv_short and s.head_wait_s > p.down_ttft_s and s.swap_speeds_up)
+        return bool(p.down_ttft_s and s.waiting and not self.kv_short(s) and s.head_wait_s > p.down_ttft_s
+                    and s.swap_speeds_up)
 
     def pressure(self, s: Signals) -> list[str]:
         """Why these signals call for swapping down (empty: no pressure). No state changes: the manager also asks
         it while a restore drains KV (a restore gives way to returning pressure, morph.py)."""
         p = self.policy
         why = []
-        kv_short = s.waiting and (s.admission_blocked or s.kv_usage >= p.down_kv_usage)
-        if kv_short and s.head_wait_s >= p.down_queue_wait_s:
+        if self.kv_short(s) and s.head_wait_s >= p.down_queue_wait_s:
             why.append(f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})")
         if s.new_preemptions:
             why.append(f"{s.new_preemptions} preemption(s)")
