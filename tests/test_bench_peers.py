@@ -38,3 +38,48 @@ def test_the_report_shows_ranges_for_several_rounds_and_reads_single_round_resul
                                    "ratios": {"ours-int4_tok_s": 1.5, "ours-int4_tpot": 2.0}}]}
     text = bench_peers.render(single)  # a peers.json written before --repeats
     assert "server after server" in text and "| 4 | 1.50 | 2.00 |" in text
+
+
+def test_the_floor_share_is_the_floors_time_per_token_over_the_measured_tpot():
+    servers = {"llama.cpp": _server(100.0, 0.010), "ours-int4": _server(150.0, 0.005)}
+    shares = bench_peers.floor_shares(servers, {"llama.cpp": 100e6, "ours-int4": 50e6}, 25e9)
+    assert abs(shares["llama.cpp"] - 0.4) < 1e-9  # 100 MB at 25 GB/s = 4 ms of a 10 ms token
+    assert abs(shares["ours-int4"] - 0.4) < 1e-9
+    assert bench_peers.floor_shares(servers, {"llama.cpp": 100e6}, 25e9).keys() == {"llama.cpp"}
+
+
+def test_one_stream_rounds_give_the_median_floor_share_and_its_range_in_the_report():
+    rounds = []
+    for rnd, (bw, tpot) in enumerate([(20e9, 0.010), (25e9, 0.010), (30e9, 0.010)]):
+        r = _round(rnd, 100.0, 150.0)
+        r["bandwidth_GBps"] = bw / 1e9
+        r["floor_share"] = bench_peers.floor_shares(r["servers"], {"llama.cpp": 100e6, "ours-int4": 50e6}, bw)
+        rounds.append(r)
+    lv = bench_peers.combine_rounds(1, rounds)
+    assert abs(lv["floor_share"]["llama.cpp"] - 0.4) < 1e-9
+    assert [round(x, 3) for x in lv["floor_share_range"]["llama.cpp"]] == [0.333, 0.5]
+    result = {"levels": [lv], "threads": 2, "bytes_per_token": {"llama.cpp": 100e6, "ours-int4": 50e6}}
+    text = "\n".join(bench_peers.floor_lines(result))
+    assert "20.0-30.0 GB/s" in text and "| llama.cpp | 100.0 | 250 | 100 | 40% [33%, 50%] |" in text
+    assert bench_peers.floor_lines({"levels": [bench_peers.combine_rounds(4, rounds)]}) == []  # not one stream
+
+
+def test_llama_cpp_reads_the_tied_embedding_whole_as_its_head(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    def write(name, tensors):
+        w = GGUFWriter(str(tmp_path / name), "llama")
+        for tname, arr in tensors.items():
+            w.add_tensor(tname, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    embd, layer = np.zeros((64, 32), np.float32), np.zeros((32, 32), np.float32)
+    tied = write("tied.gguf", {"token_embd.weight": embd, "blk.0.ffn_down.weight": layer})
+    assert bench_peers.gguf_weight_bytes(tied) == embd.nbytes + layer.nbytes
+    untied = write("untied.gguf", {"token_embd.weight": embd, "blk.0.ffn_down.weight": layer, "output.weight": embd})
+    assert bench_peers.gguf_weight_bytes(untied) == embd.nbytes + layer.nbytes  # the lookup reads one row

@@ -17,6 +17,8 @@ Each level runs `level` closed-loop streams that send `requests-per-stream` requ
 every request forces its output length (Triton: `min_length` = `max_tokens`; llama.cpp: `ignore_eos` with
 `n_predict`). Per server and level: output tok/s (all output tokens over the level's wall time), TTFT p50/p95
 and TPOT p50 (per request: time after the first token over the tokens after it). Ratios are ours / llama.cpp.
+At one stream each server's decode rate is also given as a share of its memory floor (the weights it reads per
+token over the read bandwidth measured before each round), so the peers meet the same physical yardstick.
 Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md` (with
 `<out>/notes.md` appended when present; `python -m tools.bench_peers --report-only --out DIR` rebuilds it).
 """
@@ -215,6 +217,43 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
             "short_outputs": sum(r.output_tokens != r.max_tokens for r in ok)}
 
 
+# ---------------------------------------------------------------- the memory floor at one stream
+
+def gguf_weight_bytes(path: Path) -> int:
+    """What llama.cpp reads per decoded token at one stream: every tensor of the GGUF, except the embedding
+    table when the file has its own output matrix (the lookup then reads one row). SmolLM2 ties them, so
+    token_embd is read whole as the LM head."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def ours_weight_bytes(policy: str, weight_dtype: str) -> int:
+    """What our server reads per decode step with every unit bound as `policy` puts it: the engine's resident
+    weights (the tied embedding counted once, as the LM head reads it whole), the same figure as
+    tools.bench_engine's floor."""
+    from engines.build_fragments import default_fragment_dir
+    from trtllm_backend.config import EngineConfig
+    from trtllm_backend.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(fragment_dir=default_fragment_dir(), morph_policy=policy, max_batch_size=1,
+                                    weight_dtype=weight_dtype, num_threads=1))
+    try:
+        return engine.model.weights_nbytes
+    finally:
+        engine.shutdown()
+
+
+def floor_shares(servers: dict, bytes_per_token: dict, bandwidth: float) -> dict:
+    """Each server's one-stream decode rate as a share of its floor: the floor's time per token (its bytes
+    over the read bandwidth measured in the same round) over its TPOT p50."""
+    return {n: bytes_per_token[n] / bandwidth / s["tpot_p50_s"]
+            for n, s in servers.items() if n in bytes_per_token and s.get("tpot_p50_s")}
+
+
 # ---------------------------------------------------------------- report
 
 def repo_relative(text: str) -> str:
@@ -257,6 +296,7 @@ def render(result: dict) -> str:
     for lv in result["levels"]:
         lines.append(f"| {lv['level']} | " + " | ".join([cell(lv, f"{n}_tok_s") for n in ours]
                                                        + [cell(lv, f"{n}_tpot") for n in ours]) + " |")
+    lines += floor_lines(result)
     lines += ["", "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
               "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
               f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
@@ -266,6 +306,27 @@ def render(result: dict) -> str:
               "`kv_cache_dtype`, fp32 before commit 767b828, since then the served default fp16. OpenMP waiting of our servers: "
               + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items()) + ".", ""]
     return "\n".join(lines)
+
+
+def floor_lines(result: dict) -> list[str]:
+    """The one-stream level against the memory floor, where the run measured it."""
+    one = next((lv for lv in result["levels"] if lv["level"] == 1 and lv.get("floor_share")), None)
+    if one is None:
+        return []
+    bw = [r["bandwidth_GBps"] for r in one["rounds"] if "bandwidth_GBps" in r]
+    lines = ["", f"One stream against the memory floor (weights read per token over the read bandwidth, "
+             f"{min(bw):.1f}-{max(bw):.1f} GB/s, measured before each round with {result.get('threads', '?')} threads; "
+             "share = floor's time per token / TPOT p50, median [lowest, highest] round):", "",
+             "| server | weights read per token MB | floor tok/s (median round's bandwidth) | decode tok/s (1 / TPOT p50) | share of floor |",
+             "|---|---|---|---|---|"]
+    mid = sorted(bw)[(len(bw) - 1) // 2]
+    for name, share in one["floor_share"].items():
+        nbytes = result["bytes_per_token"][name]
+        rng = one["floor_share_range"][name]
+        tpot = one["servers"][name]["tpot_p50_s"]
+        lines.append(f"| {name} | {nbytes / 1e6:.1f} | {mid * 1e9 / nbytes:.0f} | {1 / tpot:.0f} | "
+                     f"{share:.0%} [{rng[0]:.0%}, {rng[1]:.0%}] |")
+    return lines
 
 
 # ---------------------------------------------------------------- main
@@ -316,6 +377,9 @@ def main(argv=None) -> int:
               "repeats": args.repeats,
               "weight_dtype": args.weight_dtype, "threads": args.threads, "levels": [],
               "openmp": {k: v for k, v in with_openmp_defaults(dict(os.environ)).items() if k in OPENMP_ENV}} | code_version()
+    # Before any server starts, so that loading an engine does not take from a running one.
+    result["bytes_per_token"] = {n: gguf_weight_bytes(gguf) if n == "llama.cpp" else
+                                 ours_weight_bytes("full" if n == "ours-full" else "int4", args.weight_dtype) for n in names}
     servers = {}
     ctx = args.prompt_tokens + args.output_tokens + 64
     try:
@@ -374,12 +438,22 @@ def combine_rounds(level: int, rounds: list[dict]) -> dict:
         servers[n] = by_rate[(len(by_rate) - 1) // 2]["servers"][n]
     keys = rounds[0]["ratios"].keys()
     vals = {k: [r["ratios"][k] for r in rounds if r["ratios"].get(k) is not None] for k in keys}
-    return {"level": level, "servers": servers,
+    out = {"level": level, "servers": servers,
             "ratios": {k: statistics.median(v) if v else None for k, v in vals.items()},
             "ratio_ranges": {k: [min(v), max(v)] if v else None for k, v in vals.items()}, "rounds": rounds}
+    shares: dict[str, list[float]] = {}
+    for r in rounds:
+        for n, v in r.get("floor_share", {}).items():
+            shares.setdefault(n, []).append(v)
+    if shares:
+        out["floor_share"] = {n: statistics.median(v) for n, v in shares.items()}
+        out["floor_share_range"] = {n: [min(v), max(v)] for n, v in shares.items()}
+    return out
 
 
 async def _measure(args, names, servers, prompts, result) -> None:
+    from tools.bench_engine import read_bandwidth
+
     targets = {n: LlamaTarget(servers[n].url) if n == "llama.cpp" else HttpSseTarget(servers[n].http_url)
                for n in names}
     try:
@@ -389,8 +463,11 @@ async def _measure(args, names, servers, prompts, result) -> None:
         for rnd in range(args.repeats):
             # The servers' order turns each round, so that none always runs first or right after another.
             order = names[rnd % len(names):] + names[: rnd % len(names)]
+            # NOTE: the floor's bandwidth is re-measured each round (the VM drifts within a run), while the
+            # servers idle, on the threads they use.
+            bandwidth = read_bandwidth(args.threads)
             for level in args.levels:
-                entry = {"round": rnd, "order": order, "servers": {}, "records": {}}
+                entry = {"round": rnd, "order": order, "servers": {}, "records": {}, "bandwidth_GBps": bandwidth / 1e9}
                 for n in order:
                     recs, wall = await run_level(targets[n], prompts, level, args.requests_per_stream, args.output_tokens)
                     entry["servers"][n] = s = summarize(recs, wall)
@@ -400,6 +477,8 @@ async def _measure(args, names, servers, prompts, result) -> None:
                           f"{_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} ms  ok {s['ok']}/{s['requests']}",
                           flush=True)
                 entry["ratios"] = ratios_to_llama(entry["servers"], names)
+                if level == 1:
+                    entry["floor_share"] = floor_shares(entry["servers"], result["bytes_per_token"], bandwidth)
                 per_level[level].append(entry)
         result["levels"] = [combine_rounds(lv, rounds) for lv, rounds in per_level.items()]
     finally:
