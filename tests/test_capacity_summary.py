@@ -55,3 +55,14 @@ def test_a_runs_overload_figures_are_carried_into_its_cell(tmp_path):
     b = _slo(_run(tmp_path, "b", {0: 0.1}, {0: 0.2}))
     runs = summary.summarize([_slo(path), b])["cells"][0]["runs"]
     assert runs[0]["overload"]["1.25"]["balanced"]["cut"]["mean"] == 0.97 and "overload" not in runs[1]
+
+
+def test_the_map_draws_lines_where_a_kind_has_them_and_every_point_of_a_kind_that_has_none():
+    ratios = {("conv", 256): {"balanced": "b256", "int4": "i256"}, ("conv", 1024): {"balanced": "b1024"},
+              ("code", 256): {"balanced": "c256"}, ("code", 2048): {"performance": "c2048"},
+              ("conv-thin0.0375", 256): {"balanced": "t256"}}
+    m = summary.mapped(ratios)
+    assert m[("conv", 256)] == {"balanced": "b256"}  # int4 at one pool only, where conv has a line: left out
+    assert m[("conv", 1024)] == {"balanced": "b1024"}
+    assert m[("code", 256)] == {"balanced": "c256"} and m[("code", 2048)] == {"performance": "c2048"}
+    assert ("conv-thin0.0375", 256) not in m  # a thinned variant stays in its run's report

@@ -93,13 +93,16 @@ def summarize(folders: list[Path]) -> dict:
 
 
 def mapped(ratios: dict) -> dict:
-    """Only what a map against pool size can show: for each traffic kind, the policies measured at two or more
-    pools (a single pool is one point, read in its run's report and on the frontier)."""
+    """What a map against pool size can show: for each traffic kind, the policies measured at two or more pools;
+    a kind with no such policy yet keeps every point, so each kind measured has its panel. A thinned variant
+    (`Traffic.variant`, e.g. conv-thin0.0375) is a coarser repeat of its kind and is left to its run's report."""
     pools_of: dict[tuple[str, str], int] = {}
     for (traffic, _), cell in ratios.items():
         for policy in cell:
             pools_of[(traffic, policy)] = pools_of.get((traffic, policy), 0) + 1
-    kept = {k: {p: iv for p, iv in cell.items() if pools_of[(k[0], p)] >= 2} for k, cell in ratios.items()}
+    lined = {t for (t, _), n in pools_of.items() if n >= 2}
+    kept = {k: {p: iv for p, iv in cell.items() if pools_of[(k[0], p)] >= 2 or k[0] not in lined}
+            for k, cell in ratios.items() if k[0] in lined or "-thin" not in k[0]}
     return {k: cell for k, cell in kept.items() if cell}
 
 
@@ -133,8 +136,6 @@ def main(argv=None) -> int:
     # The newest run of each cell is the current code's reading; the pooled one (hollow) shows how much the
     # cell moved across the commits its runs measured.
     newest, pooled = mapped(newest_ratios(summary)), mapped(pooled_ratios(summary))
-    if not newest:  # no policy at two pools yet: every cell's point, so the map still shows what there is
-        newest, pooled = newest_ratios(summary), pooled_ratios(summary)
     regime_map(args.plot, as_analysis(newest), sorted({p for v in newest.values() for p in v}),
                pooled=as_analysis(pooled))
     print(f"[summary] wrote {args.json} and {args.plot}")
