@@ -19,6 +19,7 @@ from pathlib import Path
 from tools.capacity.analysis import REFERENCE
 from tools.capacity.pooled import interval_of, pool, read_run
 from tools.capacity.report import TARGET_RATIO, TARGET_RATIO_LO
+from tools.capacity.traffic import Traffic
 
 SUMMARY_JSON = "results/replay/capacity.json"
 SUMMARY_PLOT = "results/replay/capacity_regime_map.png"
@@ -102,7 +103,7 @@ def mapped(ratios: dict) -> dict:
             pools_of[(traffic, policy)] = pools_of.get((traffic, policy), 0) + 1
     lined = {t for (t, _), n in pools_of.items() if n >= 2}
     kept = {k: {p: iv for p, iv in cell.items() if pools_of[(k[0], p)] >= 2 or k[0] not in lined}
-            for k, cell in ratios.items() if k[0] in lined or "-thin" not in k[0]}
+            for k, cell in ratios.items() if k[0] in lined or not Traffic.is_variant(k[0])}
     return {k: cell for k, cell in kept.items() if cell}
 
 

@@ -15,6 +15,10 @@ from tools.replay.traces import Shaping, TraceRequest, read_trace
 TRACES = "../shared/data/traces"
 
 
+# How `Traffic.variant` names a thinned variant of a kind (e.g. conv-thin0.0375).
+VARIANT_MARK = "-thin"
+
+
 @dataclass(slots=True, frozen=True)
 class Traffic:
     name: str
@@ -48,12 +52,17 @@ class Traffic:
         """The most KV tokens one request can hold (its clipped prompt and output)."""
         return self.prompt_clip[1] + self.output_clip[1]
 
+    @staticmethod
+    def is_variant(name: str) -> bool:
+        """Whether a stored traffic name is a thinned variant of a kind (named by `variant`)."""
+        return VARIANT_MARK in name
+
     def variant(self, thin: float, min_requests: int) -> "Traffic":
         """The same kind thinned differently (fewer requests per probe: a quicker, coarser measurement); its
         name says so, so its probes are stored apart from the kind's own."""
         if not 0 < thin <= 1 or min_requests < 1:
             raise ValueError(f"thin must be in (0, 1] and min_requests >= 1, got {thin}, {min_requests}")
-        return replace(self, name=f"{self.name}-thin{thin:g}", thin=thin, min_requests=min_requests)
+        return replace(self, name=f"{self.name}{VARIANT_MARK}{thin:g}", thin=thin, min_requests=min_requests)
 
     def describe(self) -> str:
         return (f"{self.name}: {self.what}; at least {self.min_requests} requests per probe; {self.trace} window [{self.window_start_s:g} s, "
