@@ -248,3 +248,36 @@ def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):
     engine.run_until_idle()
     assert all(o[-1].finish_reason == "length" for o in outs.values())
     assert not engine.check_invariants()
+
+
+
+def test_a_multi_unit_restore_gives_way_between_units_when_pressure_returns(monkeypatch, layer_set):
+    # A large pool: the restored units' KV segments are empty and drain at once, so the restore never waits on a
+    # drain. Before, nothing then stopped it: a 9-unit restore begun in a lull went on unit by unit into the next
+    # burst's onset while the queue grew (code trace, pool 2048). Now the returning pressure calls off the units
+    # not yet begun; the one being staged still lands.
+    import time
+
+    from trtllm_backend.morph import MorphManager
+
+    monkeypatch.setattr(MorphManager, "swap_speeds_up", lambda self, batch: True)
+    engine = make_engine(morph_policy="balanced", max_batch_size=1, tpot_slo_s=0, force_morph="down:4@0",
+                         morph_overrides={"up_quiet_s": 0.0, "layers_per_action": 4, "down_ttft_s": 0.3},
+                         fragment_dir=str(layer_set))
+    assert engine.settle_morph(timeout_s=120) and engine.num_quantized_layers() == 4
+    m = engine.morph
+    outs = {f"r{i}": [] for i in range(4)}
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=64, ignore_eos=True), outs["r0"].append, request_id="r0")
+    engine.step()  # r0 starts at once: no pressure
+    engine.step()  # nothing waiting, quiet 0 s: the controller restores all four units, the first one staging
+    assert m.pending_up == 4 and m.job is not None and m.job.kind == "up"
+    for i in range(1, 4):  # one row per step: these wait on the step, not on KV blocks (queueing pressure)
+        engine.add_request(PROMPTS[i], SamplingParams(max_tokens=4, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}")
+    time.sleep(0.4)  # the head of the queue waits past down_ttft_s
+    engine.step()
+    assert engine.counters.restores_called_off == 1
+    assert engine.counters.swaps_up + m.pending_up <= 1  # the unit that was staging lands; the other three stay INT4
+    assert engine.num_quantized_layers() >= 3
+    engine.run_until_idle()
+    assert all(o[-1].finish_reason == "length" for o in outs.values())
+    assert not engine.check_invariants()

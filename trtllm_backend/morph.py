@@ -266,8 +266,8 @@ class MorphManager:
         if self.job and self.job.future.done():
             self._finish_job()
             changed = True
-        if self.draining is not None:
-            changed |= self._restore_gives_way(signals) or self._continue_drain(block_tables)
+        if self._restore_under_way():
+            changed |= self._restore_gives_way(signals) or (self.draining is not None and self._continue_drain(block_tables))
         # NOTE: the signals describe the state before this call; after a swap or a release in this call the
         # decision waits for the next iteration's signals.
         idle = self.job is None and self.draining is None and not (self.pending_down or self.pending_up)
@@ -381,7 +381,7 @@ class MorphManager:
             del weights
             self.swapped.pop()
             self.counters.swaps_up += 1
-            self.pending_up -= 1
+            self.pending_up = max(0, self.pending_up - 1)  # 0 already where the rest of the restore gave way
             self._refresh()
             self._grow_kv()  # the INT4 fragment's bytes are free again: keep the reserve, use the rest
         apply = time.monotonic() - t0
@@ -402,22 +402,40 @@ class MorphManager:
         else:
             self._stage_full(block_tables)
 
+    def _staging_up(self) -> int:
+        """1 while a full fragment is being staged for a restore (that unit lands whatever follows), else 0."""
+        return int(self.job is not None and self.job.kind == "up")
+
+    def _restore_under_way(self) -> bool:
+        """A restore has work not yet begun: a KV segment draining, or units after the one being staged."""
+        return self.draining is not None or self.pending_up > self._staging_up()
+
     def _restore_gives_way(self, signals: Signals) -> bool:
-        """A restore still emptying a KV segment is called off when pressure returns; True if it was.
-        Why: the draining segment takes no new blocks, so under load its blocks are not freed, and the wait shrinks
-        the pool just when it is needed and keeps the manager busy, so it cannot swap down either. Seen at pool 256:
-        a restore begun in a lull held 76 of 92 blocks through a burst (9.9% SLO attainment at x0.45, commit 252c32a)."""
+        """A restore is called off when pressure returns, between any two of its steps; True if it was. A unit
+        whose full fragment is already being staged still lands; the units after it stay swapped down.
+        Why, while a KV segment drains: the draining segment takes no new blocks, so under load its blocks are not
+        freed, and the wait shrinks the pool just when it is needed and keeps the manager busy, so it cannot swap
+        down either. Seen at pool 256: a restore begun in a lull held 76 of 92 blocks through a burst (9.9% SLO
+        attainment at x0.45, commit 252c32a).
+        Why, between units: where the pool is large the segments drain at once, and a 9-unit restore begun 4 s
+        after the last burst went on unit by unit (~0.17 s each) into the next one's onset while the queue grew
+        to 12, and the swaps down it then needed came 2 s late (code trace, pool 2048, seed 2, x0.1589, 58ed313:
+        33 TTFT misses in that burst, 79.9% SLO attainment)."""
         if self.restore_forced or not self.controller.policy.dynamic:
             return False
         why = self.controller.pressure(signals)
         if not why:
             return False
-        seg, self.draining = self.draining, None
-        seg.draining = False  # it takes new blocks again; what already moved out stays where it went
-        self.pending_up = 0
+        staging_up = self._staging_up()
+        left = self.pending_up - staging_up
+        if self.draining is not None:
+            seg, self.draining = self.draining, None
+            seg.draining = False  # it takes new blocks again; what already moved out stays where it went
+        self.pending_up = staging_up
         self.controller.last_pressure = signals.now  # the next restore waits for a new quiet spell
         self.counters.restores_called_off += 1
-        log.info("morph: restore of %s called off while its KV drained - %s", _name(self.swapped[-1].unit), "; ".join(why))
+        log.info("morph: restore called off with %d unit(s) not restored (%d swapped) - %s", left,
+                 self.morphed_units - staging_up, "; ".join(why))
         self._refresh()
         return True
 
