@@ -50,7 +50,7 @@ class EngineStats:
     kv_grows: int = 0
     kv_shrinks: int = 0
     swap_failures: int = 0
-    restores_called_off: int = 0  # restores given up while draining KV because pressure returned (morph.py)
+    restores_called_off: int = 0  # restores called off because pressure returned mid-restore (morph.py)
     invariant_violations: int = 0  # broken invariants seen (trtllm_backend/invariants.py), one per line per iteration
     memory_budget_bytes: int = 0
     memory_used_bytes: int = 0

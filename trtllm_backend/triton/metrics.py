@@ -85,7 +85,7 @@ class TritonMetrics:
         self.resizes = {k: _Counter(m) for k, m in resizes.items()}
         self.swap_failures = _Counter(self._single("morphserve_swap_failures_total", "Failed layer swaps", counter))
         self.restores_called_off = _Counter(self._single(
-            "morphserve_restores_called_off_total", "Restores given up while draining KV because pressure returned", counter))
+            "morphserve_restores_called_off_total", "Restores called off because pressure returned mid-restore (units not yet restored stay quantized)", counter))
         self.invariant_violations = _Counter(self._single(
             "morphserve_invariant_violations_total", "Broken engine invariants seen (one per line per iteration)", counter))
 
