@@ -47,3 +47,14 @@ def test_cpu_per_token_counts_new_threads_from_zero_and_orders_the_largest_first
     out = cpu_per_token(before, after, tokens=100)
     assert abs(out[7]["ms_per_token"] - 6.0) < 1e-9  # (0.2 + 0.4) s over 100 tokens
     assert [t["tid"] for t in out[7]["threads"]] == [3, 1]  # idle threads left out
+
+
+def test_streams_and_requests_must_be_positive_before_any_server_starts():
+    import pytest
+
+    from tools.served_overhead import main
+
+    for bad in (["--streams", "0"], ["--requests", "0"], ["--output-tokens", "1"]):
+        with pytest.raises(SystemExit) as exc:
+            main(bad)
+        assert exc.value.code == 2  # argparse's usage error, raised before launch()

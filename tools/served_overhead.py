@@ -1,9 +1,14 @@
-"""Where a served token's time goes: one stream at a time through the real Triton server, the client's TPOT
-beside the engine's own (its TPOT histogram) and the CPU time per generated token of every process and thread
-on the path (tritonserver, the Python backend stub: engine thread, responder, OpenMP workers; the client).
+"""Where a served token's time goes: streams through the real Triton server (one at a time by default), the
+client's TPOT beside the engine's own (its TPOT histogram) and the CPU time per generated token of every process
+and thread on the path (tritonserver, the Python backend stub: engine thread, responder, OpenMP workers; the
+client).
 
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.served_overhead [--policy int4] [--threads 2]
-        [--requests 3] [--prompt-tokens 128] [--output-tokens 128] [--param NAME=VALUE ...] [--json FILE]
+        [--requests 3] [--streams 1] [--prompt-tokens 128] [--output-tokens 128] [--param NAME=VALUE ...]
+        [--json FILE]
+
+`--streams N` runs N closed-loop streams at once (`--requests` each, as tools.bench_peers does), so the path's
+CPU per token is seen at the concurrency where the engine's OpenMP team shares the cores with it.
 
 If the client's TPOT is well above the engine's, the time goes between the engine and the client (response
 path, HTTP); if the two agree, it goes in the engine (bench_engine's step is the comparison). Threads are
@@ -77,18 +82,15 @@ def cpu_per_token(before: dict, after: dict, tokens: int, top: int = 6) -> dict:
     return out
 
 
-async def _stream_all(url: str, prompts, output_tokens: int):
-    from tools.replay.client import Clock, HttpSseTarget, Planned, RequestRecord
+async def _streams(url: str, prompts, streams: int, per_stream: int, output_tokens: int):
+    from tools.bench_peers import run_level
+    from tools.replay.client import HttpSseTarget
 
-    target, clock, records = HttpSseTarget(url), Clock(), []
+    target = HttpSseTarget(url)
     try:
-        for i, (text, n) in enumerate(prompts):
-            rec = RequestRecord(index=i, arrival_s=clock.now(), prompt_tokens=n, max_tokens=output_tokens)
-            await target.send(Planned(i, rec.arrival_s, text, n, output_tokens), rec, clock)
-            records.append(rec)
+        return (await run_level(target, prompts, streams, per_stream, output_tokens))[0]
     finally:
         await target.close()
-    return records
 
 
 def main(argv=None) -> int:
@@ -97,15 +99,18 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="int4")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--weight-dtype", default="float16", choices=["auto", "float32", "float16"])
-    ap.add_argument("--requests", type=int, default=3, help="measured streams, one after another (after a warm-up)")
+    ap.add_argument("--requests", type=int, default=3, help="measured requests per stream, one after another "
+                    "(after a warm-up)")
+    ap.add_argument("--streams", type=int, default=1, help="closed-loop streams at once")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="another model parameter")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
-    if args.requests < 1 or args.output_tokens < 2:
-        ap.error("--requests must be >= 1 and --output-tokens >= 2")
-    params = {"morph_policy": args.policy, "weight_dtype": args.weight_dtype, "num_threads": str(args.threads)}
+    if args.requests < 1 or args.streams < 1 or args.output_tokens < 2:
+        ap.error("--requests and --streams must be >= 1 and --output-tokens >= 2")
+    params = {"morph_policy": args.policy, "weight_dtype": args.weight_dtype, "num_threads": str(args.threads),
+              "max_batch_size": str(max(args.streams, 1))}
     for item in args.param:
         name, sep, value = item.partition("=")
         if not sep:
@@ -116,18 +121,18 @@ def main(argv=None) -> int:
     from trtllm_backend.serve import free_ports, launch
 
     load_start = round(os.getloadavg()[0], 2)
-    prompts = make_prompts(args.requests + 1, args.prompt_tokens)
+    prompts = make_prompts(args.streams * args.requests + 1, args.prompt_tokens)
     http, grpc, metrics = free_ports(3)
     server = launch(params=params, http_port=http, grpc_port=grpc, metrics_port=metrics)
     try:
         pids = [server.process.pid, *children(server.process.pid)]
         names = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids}
         metrics_url = f"http://localhost:{metrics}/metrics"
-        asyncio.run(_stream_all(server.http_url, prompts[:1], args.output_tokens))  # warm-up
+        asyncio.run(_streams(server.http_url, prompts[:1], 1, 1, args.output_tokens))  # warm-up
         before = {pid: thread_cpu_s(pid) for pid in pids}
         m0 = histogram_sum_count(urllib.request.urlopen(metrics_url).read().decode(), TPOT_METRIC)
         c0, w0 = os.times(), time.monotonic()
-        records = asyncio.run(_stream_all(server.http_url, prompts[1:], args.output_tokens))
+        records = asyncio.run(_streams(server.http_url, prompts[1:], args.streams, args.requests, args.output_tokens))
         wall, c1 = time.monotonic() - w0, os.times()
         after = {pid: thread_cpu_s(pid) for pid in pids}
         m1 = histogram_sum_count(urllib.request.urlopen(metrics_url).read().decode(), TPOT_METRIC)
@@ -148,9 +153,12 @@ def main(argv=None) -> int:
               "client_cpu_ms_per_token": 1e3 * client_cpu / tokens,
               "processes": {names[pid]: procs[pid] for pid in pids},
               "openmp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
-    print(f"[overhead] {args.policy}, {args.threads} threads, {args.requests} streams of {args.output_tokens} tokens "
-          f"after a {args.prompt_tokens}-token prompt, one at a time")
-    print(f"[overhead] TPOT: client {', '.join(f'{t * 1e3:.2f}' for t in client_tpot)} ms; engine {engine_tpot * 1e3:.2f} ms")
+    print(f"[overhead] {args.policy}, {args.threads} threads, {args.streams} stream(s) at once of {args.requests} "
+          f"request(s) each, {args.output_tokens} tokens after a {args.prompt_tokens}-token prompt: "
+          f"{tokens / wall:.1f} output tok/s")
+    tpots = sorted(client_tpot)
+    print(f"[overhead] TPOT: client median {tpots[len(tpots) // 2] * 1e3:.2f} ms (of {len(tpots)}); "
+          f"engine {engine_tpot * 1e3:.2f} ms")
     print(f"[overhead] CPU per generated token (prefill included): client {result['client_cpu_ms_per_token']:.3f} ms")
     for pid in pids:
         p = procs[pid]
