@@ -109,8 +109,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.requests < 1 or args.streams < 1 or args.output_tokens < 2:
         ap.error("--requests and --streams must be >= 1 and --output-tokens >= 2")
-    params = {"morph_policy": args.policy, "weight_dtype": args.weight_dtype, "num_threads": str(args.threads),
-              "max_batch_size": str(max(args.streams, 1))}
+    params = {"morph_policy": args.policy, "weight_dtype": args.weight_dtype, "num_threads": str(args.threads)}
+    if args.streams > 1:
+        params["max_batch_size"] = str(args.streams)  # as tools.bench_peers sizes its servers
     for item in args.param:
         name, sep, value = item.partition("=")
         if not sep:
