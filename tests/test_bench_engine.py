@@ -61,6 +61,19 @@ def test_prefetch_ab_times_both_settings_and_puts_the_built_in_distance_back():
     assert cpu_kernels.ops().int4_prefetch(-1) == bench_engine.DEFAULT_PREFETCH > 0
 
 
+def test_dense_prefetch_ab_times_both_settings_and_leaves_it_on():
+    from plugins import cpu_kernels
+
+    if cpu_kernels.ops() is None:
+        pytest.skip("no C++ kernels")
+    engine = bench_engine.make_engine(_args(policy=["full"]), "full")
+    rows = bench_engine.ab_table(engine, [1, 3], bench_engine.use_dense_prefetch, "dense prefetch A/B", "off", "on",
+                                 steps=2)
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["off_step_s"] > 0 and r["on_step_s"] > 0 for r in rows)
+    assert cpu_kernels.ops().dense_prefetch(-1) == 1
+
+
 def test_read_bandwidth_on_one_thread_keeps_the_engine_threads():
     import torch
 

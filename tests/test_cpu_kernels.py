@@ -66,6 +66,29 @@ def test_skinny_linear_rejects_bad_input(bad, match):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 16])  # in-register fp16, widened into a buffer, 4-row tiles
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("n,k", [(960, 576), (30, 1536)])  # many blocks ahead; prefetches stop before the end
+def test_dense_prefetch_changes_no_bit(m, half, n, k):
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    w = w.half() if half else w
+    previous = ns.dense_prefetch(-1)
+    try:
+        got = {}
+        for on in (0, 1):
+            ns.dense_prefetch(on)
+            got[on] = ns.skinny_linear(x, w)
+    finally:
+        ns.dense_prefetch(previous)
+    assert previous == 1  # on unless a measurement turns it off
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[1], x @ w.float().T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="dense_prefetch: 0"):
+        ns.dense_prefetch(2)
+
+
+@needs_kernels
 @pytest.mark.skipif(not {"avx512f", "avx512vl"} <= (cpu_kernels.cpu_flags() or set()), reason="no AVX-512VL")
 @pytest.mark.parametrize("m", [4, 7, 32])
 @pytest.mark.parametrize("half", [False, True])

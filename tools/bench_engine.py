@@ -164,6 +164,11 @@ def use_prefetch(flag: bool | None) -> None:
     cpu_kernels.ops().int4_prefetch(DEFAULT_PREFETCH if flag is None or flag else 0)
 
 
+def use_dense_prefetch(flag: bool | None) -> None:
+    """A: the dense kernels (full-precision layers, LM head) without software prefetch, B: with it (into L2)."""
+    cpu_kernels.ops().dense_prefetch(0 if flag is False else 1)
+
+
 PREFILL_TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
 
 
@@ -349,6 +354,9 @@ def bench_policy(args, policy: str) -> dict:
     if args.prefetch_ab and morph_policy != "full" and cpu_kernels.ops() is not None:
         rows["prefetch_ab"] = ab_table(engine, args.batches, use_prefetch, "INT4 prefetch A/B", "no_prefetch",
                                        f"prefetch_{DEFAULT_PREFETCH}", steps=20)
+    if args.prefetch_ab and morph_policy != "int4" and cpu_kernels.ops() is not None:
+        rows["dense_prefetch_ab"] = ab_table(engine, args.batches, use_dense_prefetch, "dense prefetch A/B",
+                                             "no_prefetch", "prefetch_l2", steps=20)
     if args.prefill_ab and morph_policy != "full":
         rows["prefill_ab"] = prefill_ab(engine)
         for r in rows["prefill_ab"]:
@@ -395,8 +403,9 @@ def main(argv=None) -> int:
                     help="also time decode steps without and with the AVX-512 kernels (VNNI INT4 tiles, W8A8 head, "
                          "4-row dense tiles), alternating step by step (where the CPU has AVX-512 VNNI)")
     ap.add_argument("--prefetch-ab", action="store_true",
-                    help="for policies with INT4 layers: also time decode steps with the INT4 tiles' software prefetch "
-                         "off and on, alternating step by step")
+                    help="also time decode steps with the software prefetch off and on, alternating step by step: "
+                         "the INT4 tiles' for policies with INT4 layers, the dense kernels' for policies with "
+                         "full-precision layers")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--prefill-ab", action="store_true",

@@ -30,10 +30,19 @@ inline __m256 load8(const int8_t* p) {
 }
 inline float load1(const int8_t* p) { return static_cast<float>(*p); }
 
+// Process-wide: whether the dense kernels prefetch the weight rows they will read next (dense_prefetch op: A/B
+// measurements; the results are the same bits either way). The lines go into L2 (T1): into L1 (T0) one core
+// streamed fp16 rows from memory at ~12 GB/s against ~23, and the INT8 table's at ~20 against ~40; a
+// full-precision fp16 batch-1 step took 12.4-13.5 ms with T0, 9.9-10.0 with T1 (builds alternating, 2 threads).
+// Read once per block (block_ahead), not in the tiles' loops: a load there cost the 4-row tiles their registers.
+inline std::atomic<int> use_dense_prefetch{1};
+
+inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
 // One MT x NT tile of y over the whole K. Each output sums its products 8 lanes at a time in increasing k,
 // then adds the lanes: the same order for every MT, so a row's result does not depend on the batch.
 // `ahead` (or null): NT weight rows read later, prefetched a cache line per row as this tile passes the same
-// offset (skinny_gemm.cpp uses it for fp16 weights at batch 1-2: 7-13% less time for a step's matmuls).
+// offset (prefetch_line; dense_blocks passes them, and int8_linear.cpp for the INT8 head table).
 template <int MT, int NT, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t K,
                  const W* ahead = nullptr) {
@@ -47,7 +56,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
   for (; k + 8 <= K; k += 8) {
     if (ahead != nullptr && k % kLine == 0) {
 #pragma GCC unroll 8
-      for (int n = 0; n < NT; ++n) _mm_prefetch(reinterpret_cast<const char*>(ahead + n * ldw + k), _MM_HINT_T0);
+      for (int n = 0; n < NT; ++n) prefetch_line(ahead + n * ldw + k);
     }
     __m256 xv[MT];
 #pragma GCC unroll 8
@@ -85,9 +94,10 @@ inline std::atomic<int> use_wide_tile{1};
 // per-output arithmetic is the tile's (8 lanes, increasing k): results are bitwise those of the AVX2 loop.
 template <int NT>
 MS_AVX512VL_FLAT void rows_times_block_wide(const float* x, int64_t M, const float* w, int64_t ldw, float* y,
-                                            int64_t ldy, int64_t K) {
+                                            int64_t ldy, int64_t K, const float* ahead) {
   int64_t m = 0;
-  for (; m + kWideTileM <= M; m += kWideTileM) tile<kWideTileM, NT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K);
+  for (; m + kWideTileM <= M; m += kWideTileM, ahead = nullptr)
+    tile<kWideTileM, NT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K, ahead);
   for (; m + kTileM <= M; m += kTileM) tile<kTileM, NT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K);
   for (; m < M; ++m) tile<1, NT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K);
 }
@@ -98,7 +108,7 @@ template <int NT, typename W>
 inline void rows_times_block(const float* x, int64_t M, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t K,
                              const W* ahead = nullptr) {
   if constexpr (sizeof(W) == sizeof(float)) {
-    if (M >= kWideTileM && use_wide_tile.load(std::memory_order_relaxed) && cpu_has_avx512_vl()) return rows_times_block_wide<NT>(x, M, w, ldw, y, ldy, K);
+    if (M >= kWideTileM && use_wide_tile.load(std::memory_order_relaxed) && cpu_has_avx512_vl()) return rows_times_block_wide<NT>(x, M, w, ldw, y, ldy, K, ahead);
   }
   int64_t m = 0;
   for (; m + kTileM <= M; m += kTileM, ahead = nullptr) tile<kTileM, NT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K, ahead);
@@ -119,16 +129,26 @@ inline void rows_times_rows(const float* x, int64_t M, const W* w, int64_t K, fl
 
 // Rows of x up to which fp16 weights are widened in registers rather than once into a buffer.
 constexpr int64_t kInRegisterRows = 2;
-// Blocks of fp16 weight rows ahead of the one being read that the in-register path prefetches (see tile).
-// fp16 rows are half as long, and the hardware prefetcher alone kept too few lines in flight; for fp32 rows
-// the same prefetch measured no gain and is not used.
+// Blocks of weight rows ahead of the one being read that dense_blocks prefetches (see tile and widen): the
+// block's kTileN short row streams, read side by side, kept too few lines in flight for the hardware
+// prefetcher alone.
 constexpr int64_t kPrefetchBlocks = 4;
+
+// The block kPrefetchBlocks on from block b (of `full` whole blocks), or null past the end or with prefetch off.
+template <typename W>
+inline const W* block_ahead(const W* w, int64_t b, int64_t full, int64_t K) {
+  if (b + kPrefetchBlocks >= full || !use_dense_prefetch.load(std::memory_order_relaxed)) return nullptr;
+  return w + (b + kPrefetchBlocks) * kTileN * K;
+}
 
 inline int64_t num_blocks(int64_t N) { return (N + kTileN - 1) / kTileN; }
 
-inline void widen(const uint16_t* w, int64_t n, float* out) {
+inline void widen(const uint16_t* w, int64_t n, float* out, const uint16_t* ahead = nullptr) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8(w + i));
+  for (; i + 8 <= n; i += 8) {
+    if (ahead != nullptr && i % 32 == 0) prefetch_line(ahead + i);
+    _mm256_storeu_ps(out + i, load8(w + i));
+  }
   for (; i < n; ++i) out[i] = load1(w + i);
 }
 
@@ -138,9 +158,10 @@ inline void widen(const uint16_t* w, int64_t n, float* out) {
 // per block into `wide` (this thread's buffer, grown here), so every row sees the same fp32 values and sums.
 inline void dense_blocks(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N, int64_t b0,
                          int64_t b1, std::vector<float>&) {
+  const int64_t full = std::min(b1, N / kTileN);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = b * kTileN;
-    rows_times_rows(x, M, w + n * K, K, y + n, N, std::min<int64_t>(kTileN, N - n));
+    rows_times_rows(x, M, w + n * K, K, y + n, N, std::min<int64_t>(kTileN, N - n), block_ahead(w, b, full, K));
   }
 }
 
@@ -150,11 +171,11 @@ inline void dense_blocks(const float* x, int64_t M, const uint16_t* w, int64_t K
   const int64_t full = std::min(b1, N / kTileN);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = b * kTileN, nt = std::min<int64_t>(kTileN, N - n);
+    const uint16_t* ahead = block_ahead(w, b, full, K);
     if (M <= kInRegisterRows) {
-      const uint16_t* ahead = b + kPrefetchBlocks < full ? w + (n + kPrefetchBlocks * kTileN) * K : nullptr;
       rows_times_rows(x, M, w + n * K, K, y + n, N, nt, ahead);
     } else {
-      widen(w + n * K, nt * K, wide.data());
+      widen(w + n * K, nt * K, wide.data(), ahead);
       rows_times_rows(x, M, wide.data(), K, y + n, N, nt);
     }
   }

@@ -60,10 +60,20 @@ int64_t dense_wide_tile(int64_t on) {
   if (on >= 0) morphserve_cpu::use_wide_tile.store(static_cast<int>(on));
   return previous;
 }
+
+// Lets the dense kernels prefetch the weight rows they read next (1) or not (0) when `on` >= 0; returns the
+// setting before the call. The results are bitwise the same either way: this exists to measure.
+int64_t dense_prefetch(int64_t on) {
+  TORCH_CHECK(on >= -1 && on <= 1, "dense_prefetch: 0 (off), 1 (on) or -1 (read) expected, got ", on);
+  const int previous = morphserve_cpu::use_dense_prefetch.load();
+  if (on >= 0) morphserve_cpu::use_dense_prefetch.store(static_cast<int>(on));
+  return previous;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("skinny_linear(Tensor input, Tensor weight) -> Tensor");
   m.def("dense_wide_tile(int on) -> int", dense_wide_tile);  // no tensors: a catch-all kernel
+  m.def("dense_prefetch(int on) -> int", dense_prefetch);
 }
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("skinny_linear", skinny_linear); }
