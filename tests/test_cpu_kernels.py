@@ -65,22 +65,29 @@ def test_skinny_linear_rejects_bad_input(bad, match):
         bad()
 
 
+def _skinny_linear_off_and_on(switch, m, half, n, k, seed):
+    """skinny_linear on one random x [m, k] and w [n, k] (fp16 if `half`) with the kernel setting `switch` (an op
+    taking 0 / 1, -1 reads) at 0 and at 1, put back afterwards: ({0: y, 1: y}, the setting found, x, w)."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    w = w.half() if half else w
+    previous = switch(-1)
+    try:
+        got = {}
+        for on in (0, 1):
+            switch(on)
+            got[on] = ns.skinny_linear(x, w)
+    finally:
+        switch(previous)
+    return got, previous, x, w
+
+
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 16])  # in-register fp16, widened into a buffer, 4-row tiles
 @pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("n,k", [(960, 576), (30, 1536)])  # many blocks ahead; prefetches stop before the end
 def test_dense_prefetch_changes_no_bit(m, half, n, k):
-    g = torch.Generator().manual_seed(m * 7 + n + k)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    w = w.half() if half else w
-    previous = ns.dense_prefetch(-1)
-    try:
-        got = {}
-        for on in (0, 1):
-            ns.dense_prefetch(on)
-            got[on] = ns.skinny_linear(x, w)
-    finally:
-        ns.dense_prefetch(previous)
+    got, previous, x, w = _skinny_linear_off_and_on(ns.dense_prefetch, m, half, n, k, seed=m * 7 + n + k)
     assert previous == 1  # on unless a measurement turns it off
     assert torch.equal(got[0], got[1])
     torch.testing.assert_close(got[1], x @ w.float().T, rtol=1e-4, atol=1e-4)
@@ -94,17 +101,7 @@ def test_dense_prefetch_changes_no_bit(m, half, n, k):
 @pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("n,k", [(960, 576), (13, 1536), (7, 13)])  # full blocks, a block and a tail, tail only
 def test_dense_wide_tiles_give_the_same_bits_as_the_avx2_ones(m, half, n, k):
-    g = torch.Generator().manual_seed(m + n + k)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    w = w.half() if half else w
-    previous = ns.dense_wide_tile(-1)
-    try:
-        got = {}
-        for on in (0, 1):
-            ns.dense_wide_tile(on)
-            got[on] = ns.skinny_linear(x, w)
-    finally:
-        ns.dense_wide_tile(previous)
+    got, _, _, _ = _skinny_linear_off_and_on(ns.dense_wide_tile, m, half, n, k, seed=m + n + k)
     assert torch.equal(got[0], got[1])  # the same per-output sums in the same order, only more rows per tile
     with pytest.raises(RuntimeError, match="dense_wide_tile: 0"):
         ns.dense_wide_tile(2)
