@@ -33,7 +33,7 @@ inline float load1(const int8_t* p) { return static_cast<float>(*p); }
 // Process-wide: whether the dense kernels prefetch the weight rows they will read next (dense_prefetch op: A/B
 // measurements; the results are the same bits either way). The lines go into L2 (T1): into L1 (T0) one core
 // streamed fp16 rows from memory at ~12 GB/s against ~23, and the INT8 table's at ~20 against ~40; a
-// full-precision fp16 batch-1 step took 12.4-13.5 ms with T0, 9.9-10.0 with T1 (builds alternating, 2 threads).
+// full-precision fp16 batch-1 step took 12.4-13.5 ms with T0, 9.9-11.0 with T1 (builds alternating, 2 threads).
 // Read once per block (block_ahead), not in the tiles' loops: a load there cost the 4-row tiles their registers.
 inline std::atomic<int> use_dense_prefetch{1};
 

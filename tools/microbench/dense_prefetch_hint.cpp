@@ -45,7 +45,8 @@ void row_major(const float* x, const uint16_t* w, float* y, int64_t b0, int64_t 
     for (int n = 0; n < NT; ++n) acc[n] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
       if (HINT >= 0 && ahead != nullptr && k % 32 == 0)
-        for (int n = 0; n < NT; ++n) _mm_prefetch(reinterpret_cast<const char*>(ahead + n * K + k), static_cast<_mm_hint>(HINT < 0 ? 0 : HINT));
+        for (int n = 0; n < NT; ++n)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + n * K + k), static_cast<_mm_hint>(HINT < 0 ? 0 : HINT));
       const __m256 xv = _mm256_loadu_ps(x + k);
       for (int n = 0; n < NT; ++n) acc[n] = _mm256_fmadd_ps(xv, load8(wb + n * K + k), acc[n]);
     }
