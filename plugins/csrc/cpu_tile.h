@@ -134,11 +134,12 @@ constexpr int64_t kInRegisterRows = 2;
 // prefetcher alone.
 constexpr int64_t kPrefetchBlocks = 4;
 
-// The block kPrefetchBlocks on from block b (of `full` whole blocks), or null past the end or with prefetch off.
+// The block kPrefetchBlocks on from block b (of `full` whole blocks of `rows` weight rows of K), or null past
+// the end or with prefetch off.
 template <typename W>
-inline const W* block_ahead(const W* w, int64_t b, int64_t full, int64_t K) {
+inline const W* block_ahead(const W* w, int64_t b, int64_t full, int64_t K, int64_t rows = kTileN) {
   if (b + kPrefetchBlocks >= full || !use_dense_prefetch.load(std::memory_order_relaxed)) return nullptr;
-  return w + (b + kPrefetchBlocks) * kTileN * K;
+  return w + (b + kPrefetchBlocks) * rows * K;
 }
 
 inline int64_t num_blocks(int64_t N) { return (N + kTileN - 1) / kTileN; }

@@ -27,11 +27,10 @@
 namespace {
 
 constexpr int64_t kBlock = 8;    // weight rows read together (8 accumulators at batch 1: the FMA latency hidden)
-// Blocks ahead of the one being read whose rows are prefetched, a cache line per row as the tile passes the same
-// offset (into L2: cpu_tile.h's prefetch_line; off with use_dense_prefetch). Without it the block's 8 short row
-// streams ran at ~10 GB/s from memory on one core (the same loop ran 3x faster with the table in L2): the
-// hardware prefetcher kept too few lines in flight.
-constexpr int64_t kPrefetchBlocks = 4;
+// The rows kPrefetchBlocks blocks ahead are prefetched a cache line per row as the tile passes the same offset
+// (cpu_tile.h's block_ahead, into L2). Without it the block's 8 short row streams ran at ~10 GB/s from memory on
+// one core (the same loop ran 3x faster with the table in L2): the hardware prefetcher kept too few lines in
+// flight.
 
 // One MT x NT tile through the shared fp32 tile (cpu_tile.h: the summation order that keeps a row's result
 // independent of its batch), then each output times its weight row's scale.
@@ -82,9 +81,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const 
     const int64_t full = std::min(b1, N / kBlock);  // blocks of kBlock rows that exist
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * kBlock, nt = std::min<int64_t>(kBlock, N - n);
-      const bool prefetch =
-          b + kPrefetchBlocks < full && morphserve_cpu::use_dense_prefetch.load(std::memory_order_relaxed);
-      const int8_t* ahead = prefetch ? wp + (n + kPrefetchBlocks * kBlock) * K : nullptr;
+      const int8_t* ahead = morphserve_cpu::block_ahead(wp, b, full, K, kBlock);
       rows_times_block(xp, M, K, wp + n * K, nt, sp + n, yp + n, N, ahead);
     }
   });
