@@ -11,7 +11,7 @@ from tools import bench_engine
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(fragment_dir=str(fragment_dir()), batches=[1, 3], policy=["full", "int4"], threads=1,
-                int4_prefill="auto", weight_dtype="float16")
+                int4_prefill="auto", weight_dtype="float16", context=0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -72,6 +72,32 @@ def test_dense_prefetch_ab_times_both_settings_and_leaves_it_on():
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["off_step_s"] > 0 and r["on_step_s"] > 0 for r in rows)
     assert cpu_kernels.ops().dense_prefetch(-1) == 1
+
+
+def test_a_long_context_step_counts_its_cached_kv_and_the_attention_ab_leaves_both_settings_on():
+    from plugins import cpu_kernels
+
+    if cpu_kernels.ops() is None:
+        pytest.skip("no C++ kernels")
+    engine = bench_engine.make_engine(_args(policy=["int4"], threads=2), "int4")
+    step, kv = bench_engine.decode_step_time(engine, 1, steps=2, context=90)
+    per_token = engine.pool.bytes_per_block // engine.pool.block_size
+    assert step > 0 and 85 * per_token <= kv <= 91 * per_token  # the prompt's tokens (re-encoding may merge a few)
+    for use, name in ((bench_engine.use_kv_prefetch, "kv_prefetch"), (bench_engine.use_shared_attention, "shared_attention")):
+        rows = bench_engine.ab_table(engine, [1], use, name, "off", "on", steps=2, context=90)
+        assert rows[0]["off_step_s"] > 0 and rows[0]["on_step_s"] > 0
+        assert getattr(cpu_kernels.ops(), name)(-1) == 1
+
+
+def test_a_batch_whose_prompts_do_not_decode_together_in_the_pool_is_refused():
+    from trtllm_backend.config import EngineConfig
+    from trtllm_backend.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(fragment_dir=str(fragment_dir()), morph_policy="full", max_batch_size=3,
+                                    max_tokens_in_paged_kv_cache=256, num_threads=1))
+    with pytest.raises(SystemExit, match="of 3 requests decode together"):
+        bench_engine.start_decode(engine, 3, max_tokens=4, context=100)
+    assert not engine.requests  # aborted, nothing left running
 
 
 def test_read_bandwidth_on_one_thread_keeps_the_engine_threads():

@@ -436,10 +436,10 @@ CFG = ModelConfig(vocab_size=16, hidden_size=48, intermediate_size=64, num_layer
 
 
 def _pool_with_sequences(lens: list[int], segments: tuple[int, ...] = (6, 8, 7),
-                         dtype: torch.dtype = torch.float32) -> tuple[KVPool, list[list[int]]]:
+                         dtype: torch.dtype = torch.float32, cfg=CFG) -> tuple[KVPool, list[list[int]]]:
     """A pool of several segments, random K/V, and one block table per sequence spread over the segments."""
     torch.manual_seed(1)
-    pool = KVPool(CFG, block_size=4, dtype=dtype)
+    pool = KVPool(cfg, block_size=4, dtype=dtype)
     for n in segments:
         pool.add_segment(n)
     for seg in pool.segments:
@@ -496,11 +496,14 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_the_batch(monkeypatch
 
 
 @needs_kernels
-@pytest.mark.parametrize("kvh,group,d", [(3, 3, 64), (2, 3, 136), (2, 2, 6), (1, 9, 64)])
+@pytest.mark.parametrize("kvh,group,d", [(3, 3, 64), (2, 3, 136), (2, 2, 6), (1, 9, 64), (1, 1, 64), (2, 2, 64),
+                                         (1, 4, 64), (1, 5, 40), (1, 8, 72)])
 def test_decode_attention_matches_float64_for_head_shapes(kvh, group, d):
-    # 64: SmolLM2's head (register chunk of 64); 136: chunk plus 8-wide tail; 6 and a group of 9: the scalar path.
+    # 64: SmolLM2's head; 136, 40, 72: register chunks plus 8-wide tails; groups of 1-4 take the values of every
+    # head at once, 5-8 one head at a time; 6 and a group of 9: the scalar path. Lengths: 4 keys per pass and
+    # short last passes, and 130 positions for the prefetch ahead.
     g = torch.Generator().manual_seed(d * 10 + group)
-    slots, lens = 40, [1, 9, 37]
+    slots, lens = 40, [1, 9, 37, 130]
     segs = [torch.randn(2, 2, slots, kvh, d, generator=g) for _ in range(2)]
     B, H, L = len(lens), kvh * group, max(lens)
     seg_of, slot_of = torch.randint(0, 2, (B, L), generator=g), torch.randint(0, slots, (B, L), generator=g)
@@ -512,6 +515,26 @@ def test_decode_attention_matches_float64_for_head_shapes(kvh, group, d):
         for h in range(H):
             p = torch.softmax(keys[:, h // group] @ q[b, h].double() * d**-0.5, 0)
             torch.testing.assert_close(got[b, h].double(), p @ vals[:, h // group], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_kv_prefetch_changes_no_bit(kv_dtype):
+    g = torch.Generator().manual_seed(4)
+    lens = [3, 70, 300]
+    segs = [torch.randn(2, 2, 64, 3, 64, generator=g).to(kv_dtype) for _ in range(2)]
+    seg_of, slot_of = torch.randint(0, 2, (3, 300), generator=g), torch.randint(0, 64, (3, 300), generator=g)
+    q = torch.randn(3, 9, 64, generator=g)
+    previous = ns.kv_prefetch(0)
+    try:
+        off = ns.paged_decode_attention(q, segs, seg_of, slot_of, torch.tensor(lens), 1, 0.125)
+        assert ns.kv_prefetch(1) == 0
+        on = ns.paged_decode_attention(q, segs, seg_of, slot_of, torch.tensor(lens), 1, 0.125)
+    finally:
+        ns.kv_prefetch(previous)
+    assert torch.equal(off, on)
+    with pytest.raises(RuntimeError, match="kv_prefetch: 0"):
+        ns.kv_prefetch(2)
 
 
 @needs_kernels
@@ -529,9 +552,9 @@ def test_decode_attention_rejects_out_of_pool_slots():
         ns.paged_decode_attention(torch.zeros(1, 5, 8), [kv], seg, torch.zeros(1, 4, dtype=torch.long), lens, 0, 1.0)
 
 
-def _fused_inputs(lens: list[int], seed: int = 5):
+def _fused_inputs(lens: list[int], seed: int = 5, cfg=CFG):
     g = torch.Generator().manual_seed(seed)
-    B, H, KVH, D = len(lens), CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    B, H, KVH, D = len(lens), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = torch.randn(B, (H + 2 * KVH) * D, generator=g)
     angles = torch.rand(B, D // 2, generator=g) * 6
     return qkv, angles.cos(), angles.sin()

@@ -3,6 +3,8 @@ bitwise the same output and K/V writes for dense fp32, fp16-stored and INT4 laye
 result independent of its batch; bad input rejected before anything is written; fallbacks."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_fixtures import random_layer_tensors
@@ -15,13 +17,13 @@ from trtllm_backend.layers import LayerSlot, LayerWeights, dense_layer
 G = 16  # INT4 group size that divides the test config's 48 and 64 inputs
 
 
-def _tensors(seed: int = 11) -> dict[str, torch.Tensor]:
+def _tensors(seed: int = 11, cfg=CFG) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return random_layer_tensors(CFG, g)
+    return random_layer_tensors(cfg, g)
 
 
-def _layer(kind: str) -> LayerWeights:
-    t = _tensors()
+def _layer(kind: str, cfg=CFG) -> LayerWeights:
+    t = _tensors(cfg=cfg)
     if kind == "fp32":
         return dense_layer(t, torch.float32)
     if kind == "fp16":
@@ -33,29 +35,29 @@ def _layer(kind: str) -> LayerWeights:
         pre_o = pre_down = None
     else:  # INT4 with AWQ-like pre-scales on o and down, as the fragments have
         make = lambda ws, pre_scale=None: Int4Linear.fused(ws, G, pre_scale)  # noqa: E731
-        pre_o, pre_down = torch.rand(CFG.hidden_size, generator=g) + 0.5, torch.rand(CFG.intermediate_size, generator=g) + 0.5
+        pre_o, pre_down = torch.rand(cfg.num_heads * cfg.head_dim, generator=g) + 0.5, torch.rand(cfg.intermediate_size, generator=g) + 0.5
     return LayerWeights(input_layernorm=t["input_layernorm.weight"], post_attention_layernorm=t["post_attention_layernorm.weight"],
                         qkv=make([w["q_proj"], w["k_proj"], w["v_proj"]]), o=make([w["o_proj"]], pre_o),
                         gate_up=make([w["gate_proj"], w["up_proj"]]), down=make([w["down_proj"]], pre_down))
 
 
 def _run(weights: LayerWeights, lens: list[int], use_fused: bool, monkeypatch, threads: int = 1, rows=None,
-         expect_fused: bool | None = None):
+         expect_fused: bool | None = None, cfg=CFG, kv_dtype: torch.dtype = torch.float32):
     """One decode step of layer 1 over sequences `lens` on a fresh pool: (output, the pool's segments)."""
     monkeypatch.setenv("MORPHSERVE_FUSED_DECODE", "1" if use_fused else "0")
     calls = []
     real = fused.decode_layers
     monkeypatch.setattr(fused, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
-    pool, tables = _pool_with_sequences(lens)
-    h = torch.randn(len(lens), CFG.hidden_size, generator=torch.Generator().manual_seed(7))
-    _, cos, sin = _fused_inputs(lens)
+    pool, tables = _pool_with_sequences(lens, dtype=kv_dtype, cfg=cfg)
+    h = torch.randn(len(lens), cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+    _, cos, sin = _fused_inputs(lens, cfg=cfg)
     rows = list(range(len(lens))) if rows is None else rows
     plan = _decode_plan(pool, [tables[r] for r in rows], [lens[r] for r in rows])
     assert plan.fused_decode
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = LayerSlot(1, CFG, weights).forward(h[rows], cos[rows], sin[rows], plan)
+        out = LayerSlot(1, cfg, weights).forward(h[rows], cos[rows], sin[rows], plan)
     finally:
         torch.set_num_threads(before)
     monkeypatch.setattr(fused, "decode_layers", real)
@@ -73,6 +75,40 @@ def test_fused_layer_is_bitwise_the_per_op_layer(kind, lens, threads, monkeypatc
     got, got_kv = _run(weights, lens, True, monkeypatch, threads)
     assert torch.equal(got, ref)
     assert all(torch.equal(a, b) for a, b in zip(got_kv, ref_kv))  # the same new K/V in the same slots
+
+
+# SmolLM2's attention heads: 9 query heads over 3 KV heads of 64. At 1 or 3 rows the 3 tasks per row do not divide
+# over 2 or 4 threads, and from 64 cached positions each task is shared by the team (attend_shared in decode_layer.cpp):
+# scores split by positions, values by features. [9]: under that threshold, the task split.
+WIDE_HEADS = dataclasses.replace(CFG, num_heads=9, num_kv_heads=3, head_dim=64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("kind", ["fp16", "int4"])
+@pytest.mark.parametrize("lens", [[70], [20, 30, 25], [9]])
+def test_attention_shared_by_the_team_is_bitwise_the_per_op_layer(kind, lens, threads, kv_dtype, monkeypatch):
+    weights = _layer(kind, WIDE_HEADS)
+    ref, ref_kv = _run(weights, lens, False, monkeypatch, threads, cfg=WIDE_HEADS, kv_dtype=kv_dtype)
+    got, got_kv = _run(weights, lens, True, monkeypatch, threads, cfg=WIDE_HEADS, kv_dtype=kv_dtype)
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, ref_kv))
+
+
+@needs_kernels
+def test_the_shared_attention_switch_is_read_back_and_checked(monkeypatch):
+    weights = _layer("fp16", WIDE_HEADS)
+    previous = ns.shared_attention(0)
+    try:
+        task_split, _ = _run(weights, [70], True, monkeypatch, 2, cfg=WIDE_HEADS)
+        assert ns.shared_attention(1) == 0
+        shared, _ = _run(weights, [70], True, monkeypatch, 2, cfg=WIDE_HEADS)
+    finally:
+        ns.shared_attention(previous)
+    assert torch.equal(task_split, shared)
+    with pytest.raises(RuntimeError, match="shared_attention: 0"):
+        ns.shared_attention(-2)
 
 
 @needs_kernels

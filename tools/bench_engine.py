@@ -95,17 +95,19 @@ def matmuls_alone(engine: LLMEngine, batch: int, dtype: torch.dtype | None = Non
         return median_time(run, 7)
 
 
-def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8) -> float:
-    start_decode(engine, batch, max_tokens=steps + 8)
+def decode_step_time(engine: LLMEngine, batch: int, steps: int = 8, context: int = 0) -> tuple[float, int]:
+    """The median decode step (s) and the cached K/V bytes its first one read."""
+    start_decode(engine, batch, max_tokens=steps + 8, context=context)
+    kv = kv_bytes_read(engine)
     t = median_time(engine.step, steps, warmup=2)
     engine.abort_all()
-    return t
+    return t, kv
 
 
-def alternating_ab(engine: LLMEngine, batch: int, use, steps: int = 10) -> tuple[float, float]:
+def alternating_ab(engine: LLMEngine, batch: int, use, steps: int = 10, context: int = 0) -> tuple[float, float]:
     """Median decode step (s) under setting A and under B, alternating step by step in one engine so that the
     machine's drift hits both; `use(flag)` switches to A (False) or B (True) and back to the default (None)."""
-    start_decode(engine, batch, max_tokens=2 * steps + 8)
+    start_decode(engine, batch, max_tokens=2 * steps + 8, context=context)
     times: dict[bool, list[float]] = {False: [], True: []}
     try:
         for rep in range(steps + 1):
@@ -121,12 +123,12 @@ def alternating_ab(engine: LLMEngine, batch: int, use, steps: int = 10) -> tuple
     return statistics.median(times[False]), statistics.median(times[True])
 
 
-def ab_table(engine: LLMEngine, batches, use, title: str, a: str, b: str, steps: int = 10) -> list[dict]:
+def ab_table(engine: LLMEngine, batches, use, title: str, a: str, b: str, steps: int = 10, context: int = 0) -> list[dict]:
     """Per batch, decode steps alternating between setting A and B (alternating_ab), printed and returned."""
     print(f"[bench] {title}, steps alternating: {'batch':>5} {a + ' ms':>16} {b + ' ms':>16} {'A/B':>7}")
     out = []
     for batch in batches:
-        ta, tb = alternating_ab(engine, batch, use, steps=steps)
+        ta, tb = alternating_ab(engine, batch, use, steps=steps, context=context)
         out.append({"batch": batch, f"{a}_step_s": ta, f"{b}_step_s": tb})
         print(f"[bench] {'':>{len(title) + 20}} {batch:>5} {ta * 1e3:16.2f} {tb * 1e3:16.2f} {ta / tb:7.3f}")
     return out
@@ -167,6 +169,17 @@ def use_prefetch(flag: bool | None) -> None:
 def use_dense_prefetch(flag: bool | None) -> None:
     """A: the dense kernels (full-precision layers, LM head) without software prefetch, B: with it (into L2)."""
     cpu_kernels.ops().dense_prefetch(0 if flag is False else 1)
+
+
+def use_kv_prefetch(flag: bool | None) -> None:
+    """A: the attention passes without software prefetch of the cached K/V rows, B: with it (into L2)."""
+    cpu_kernels.ops().kv_prefetch(0 if flag is False else 1)
+
+
+def use_shared_attention(flag: bool | None) -> None:
+    """A: the fused call's attention split by (row, KV head) task only, B: a few rows' tasks shared by the team
+    where they do not divide over it (attend_shared in decode_layer.cpp)."""
+    cpu_kernels.ops().shared_attention(0 if flag is False else 1)
 
 
 PREFILL_TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
@@ -251,14 +264,36 @@ def make_engine(args, policy: str) -> LLMEngine:
     return engine
 
 
-def start_decode(engine: LLMEngine, batch: int, max_tokens: int) -> None:
-    """`batch` requests admitted and prefilled, so the engine's next steps are pure decode steps."""
+def context_prompt(engine: LLMEngine, i: int, context: int) -> str:
+    """Request i's prompt: a short sentence, or with `context` > 0 one of about that many tokens."""
+    prompt = f"Chapter {i}. It was a bright cold day in April, and the clocks were striking"
+    if context <= 0:
+        return prompt
+    ids = engine.tokenizer.encode(prompt + " " + PREFILL_TEXT * (1 + context // 600))[:context]
+    return engine.tokenizer.decode(ids)
+
+
+def kv_bytes_read(engine: LLMEngine) -> int:
+    """Bytes of cached K/V the next decode step's attention reads: every running request's tokens, all layers."""
+    pool = engine.pool
+    return sum(r.num_tokens for r in engine.scheduler.running) * pool.bytes_per_block // pool.block_size
+
+
+def start_decode(engine: LLMEngine, batch: int, max_tokens: int, context: int = 0) -> None:
+    """`batch` requests admitted and prefilled (prompts of about `context` tokens, or short), so the engine's next
+    steps are pure decode steps."""
     for i in range(batch):
-        engine.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking",
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), lambda o: None)
+        engine.add_request(context_prompt(engine, i, context), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           lambda o: None)
     engine.step()  # takes the new requests
     while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
         engine.step()
+    decoding = len(engine.scheduler.running)
+    if decoding != batch:  # the pool holds fewer such prompts: the steps would not be batch-`batch` decode steps
+        engine.abort_all()
+        raise SystemExit(f"[bench] batch {batch} at a context of {context or 'a short prompt'}: {decoding} of {batch} "
+                         f"requests decode together in the KV pool ({engine.pool.num_blocks} blocks of "
+                         f"{engine.pool.block_size} tokens); give smaller --batches or --context")
 
 
 def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
@@ -279,7 +314,8 @@ def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
     with torch.inference_mode():
         for b in args.batches:
             for e in engines.values():
-                start_decode(e, b, max_tokens=rounds * (steps + 1) + 8)
+                start_decode(e, b, max_tokens=rounds * (steps + 1) + 8, context=args.context)
+            kv = {p: kv_bytes_read(e) for p, e in engines.items()}
             per_round, bws = [], []
             try:
                 for _ in range(rounds):
@@ -303,7 +339,8 @@ def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
                 ratios = sorted(r[first] / r[p] for r in per_round)
                 row["tok_s_over_first"][p] = {"median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]}
             if b == 1:
-                row["share_of_floor"] = {p: engines[p].model.weights_nbytes / bw / row["step_s"][p] for p in engines}
+                row["share_of_floor"] = {p: (engines[p].model.weights_nbytes + kv[p]) / bw / row["step_s"][p]
+                                         for p in engines}
             out["batches"].append(row)
             ratio_txt = " ".join(f"{r['median']:12.2f} [{r['low']:.2f}, {r['high']:.2f}]".rjust(26)
                                  for r in row["tok_s_over_first"].values())
@@ -337,26 +374,39 @@ def bench_policy(args, policy: str) -> dict:
             "weight_dtype": str(engine.config.weight_torch_dtype), "threads": torch.get_num_threads(), "decode": []}
     rows["prefill_tok_s"] = prefill_rate(engine)
     print(f"[bench] read bandwidth {bw / 1e9:.1f} GB/s (one thread {bw1 / 1e9:.1f}); weights read per step {weight_bytes / 1e6:.0f} MB; prefill {rows['prefill_tok_s']:.0f} tok/s (512-token prompt)")
+    rows["context"] = args.context
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>8} {'matmuls ms':>11} {'step/matmuls':>13} {'MKL matmuls ms':>15} {'floor tok/s':>12} {'of floor':>9}")
     for b in args.batches:
-        step = decode_step_time(engine, b)
+        step, kv = decode_step_time(engine, b, context=args.context)
         mm = matmuls_alone(engine, b)
         mkl = matmuls_alone(engine, b, dtype, F.linear)
-        floor = bw / weight_bytes if b == 1 else None
+        # NOTE: the floor reads the cached K/V too: at a long context they weigh like a share of the weights.
+        floor = bw / (weight_bytes + kv) if b == 1 else None
+        if b == 1:
+            print(f"[bench] batch 1 at {kv // (engine.pool.bytes_per_block // engine.pool.block_size)} cached tokens: "
+                  f"{kv / 1e6:.1f} MB of K/V per step beside the weights in its floor")
         rows["decode"].append({"batch": b, "step_s": step, "tok_s": b / step, "matmuls_s": mm, "mkl_matmuls_s": mkl,
-                               "floor_tok_s": floor, "share_of_floor": (b / step) / floor if floor else None})
+                               "kv_bytes": kv, "floor_tok_s": floor,
+                               "share_of_floor": (b / step) / floor if floor else None})
         fl = f"{floor:12.1f} {b / step / floor:9.0%}" if floor else f"{'':>12} {'':>9}"
         print(f"{b:>5} {step * 1e3:8.1f} {b / step:8.1f} {mm * 1e3:11.1f} {step / mm:13.2f} {mkl * 1e3:15.1f} {fl}")
     if args.fused_ab:
-        rows["fused_ab"] = ab_table(engine, args.batches, fused_switch(), "fused decode A/B", "per_op", "fused")
+        rows["fused_ab"] = ab_table(engine, args.batches, fused_switch(), "fused decode A/B", "per_op", "fused",
+                                    context=args.context)
     if args.avx512_ab and not avx2 and vnni:
-        rows["avx512_ab"] = ab_table(engine, args.batches, use_avx512, "AVX-512 A/B", "avx2", "avx512", steps=20)
+        rows["avx512_ab"] = ab_table(engine, args.batches, use_avx512, "AVX-512 A/B", "avx2", "avx512", steps=20,
+                                     context=args.context)
     if args.prefetch_ab and morph_policy != "full" and cpu_kernels.ops() is not None:
         rows["prefetch_ab"] = ab_table(engine, args.batches, use_prefetch, "INT4 prefetch A/B", "no_prefetch",
-                                       f"prefetch_{DEFAULT_PREFETCH}", steps=20)
+                                       f"prefetch_{DEFAULT_PREFETCH}", steps=20, context=args.context)
     if args.prefetch_ab and morph_policy != "int4" and cpu_kernels.ops() is not None:
         rows["dense_prefetch_ab"] = ab_table(engine, args.batches, use_dense_prefetch, "dense prefetch A/B",
-                                             "no_prefetch", "prefetch_l2", steps=20)
+                                             "no_prefetch", "prefetch_l2", steps=20, context=args.context)
+    if args.attention_ab and cpu_kernels.ops() is not None:
+        rows["kv_prefetch_ab"] = ab_table(engine, args.batches, use_kv_prefetch, "K/V prefetch A/B", "no_prefetch",
+                                          "prefetch_l2", steps=20, context=args.context)
+        rows["shared_attention_ab"] = ab_table(engine, args.batches, use_shared_attention, "shared attention A/B",
+                                               "task_split", "shared", steps=20, context=args.context)
     if args.prefill_ab and morph_policy != "full":
         rows["prefill_ab"] = prefill_ab(engine)
         for r in rows["prefill_ab"]:
@@ -406,6 +456,12 @@ def main(argv=None) -> int:
                     help="also time decode steps with the software prefetch off and on, alternating step by step: "
                          "the INT4 tiles' for policies with INT4 layers, the dense kernels' for policies with "
                          "full-precision layers")
+    ap.add_argument("--attention-ab", action="store_true",
+                    help="also time decode steps alternating the attention's K/V prefetch off and on, and the fused "
+                         "call's attention split by task or shared by the team (use with --context)")
+    ap.add_argument("--context", type=int, default=0, metavar="TOKENS",
+                    help="decode with prompts of about TOKENS tokens (default: a 17-token sentence); the batch-1 "
+                         "floor counts the K/V bytes a step reads beside the weights")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--prefill-ab", action="store_true",

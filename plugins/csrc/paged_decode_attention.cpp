@@ -86,9 +86,19 @@ at::Tensor paged_decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& c
   return out;
 }
 
+// Lets the attention passes prefetch the cached K/V rows ahead (1) or not (0) when `on` >= 0; returns the
+// setting before the call. The results are bitwise the same either way: this exists to measure.
+int64_t kv_prefetch(int64_t on) {
+  TORCH_CHECK(on >= -1 && on <= 1, "kv_prefetch: 0 (off), 1 (on) or -1 (read) expected, got ", on);
+  const int previous = use_kv_prefetch.load();
+  if (on >= 0) use_kv_prefetch.store(static_cast<int>(on));
+  return previous;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
+  m.def("kv_prefetch(int on) -> int", kv_prefetch);  // no tensors: a catch-all kernel
   m.def("paged_decode_attention(Tensor q, Tensor[] segments, Tensor segment_of, Tensor slot_of, Tensor lens, "
         "int layer, float scale) -> Tensor");
   m.def("paged_decode_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!)[] segments, Tensor segment_of, "
