@@ -74,7 +74,7 @@ def test_dense_prefetch_ab_times_both_settings_and_leaves_it_on():
     assert cpu_kernels.ops().dense_prefetch(-1) == 1
 
 
-def test_a_long_context_step_counts_its_cached_kv_and_the_attention_ab_leaves_both_settings_on():
+def test_a_long_context_step_counts_its_cached_kv_and_the_kv_prefetch_ab_leaves_it_on():
     from plugins import cpu_kernels
 
     if cpu_kernels.ops() is None:
@@ -83,10 +83,11 @@ def test_a_long_context_step_counts_its_cached_kv_and_the_attention_ab_leaves_bo
     step, kv = bench_engine.decode_step_time(engine, 1, steps=2, context=90)
     per_token = engine.pool.bytes_per_block // engine.pool.block_size
     assert step > 0 and 85 * per_token <= kv <= 91 * per_token  # the prompt's tokens (re-encoding may merge a few)
-    for use, name in ((bench_engine.use_kv_prefetch, "kv_prefetch"), (bench_engine.use_shared_attention, "shared_attention")):
-        rows = bench_engine.ab_table(engine, [1], use, name, "off", "on", steps=2, context=90)
-        assert rows[0]["off_step_s"] > 0 and rows[0]["on_step_s"] > 0
-        assert getattr(cpu_kernels.ops(), name)(-1) == 1
+    rows = bench_engine.ab_table(engine, [1, 2], bench_engine.use_kv_prefetch, "K/V prefetch A/B", "off", "on", steps=2,
+                                 context=90)
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["off_step_s"] > 0 and r["on_step_s"] > 0 for r in rows)
+    assert cpu_kernels.ops().kv_prefetch(-1) == 1
 
 
 def test_a_batch_whose_prompts_do_not_decode_together_in_the_pool_is_refused():

@@ -176,12 +176,6 @@ def use_kv_prefetch(flag: bool | None) -> None:
     cpu_kernels.ops().kv_prefetch(0 if flag is False else 1)
 
 
-def use_shared_attention(flag: bool | None) -> None:
-    """A: the fused call's attention split by (row, KV head) task only, B: a few rows' tasks shared by the team
-    where they do not divide over it (attend_shared in decode_layer.cpp)."""
-    cpu_kernels.ops().shared_attention(0 if flag is False else 1)
-
-
 PREFILL_TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
 
 
@@ -282,12 +276,19 @@ def kv_bytes_read(engine: LLMEngine) -> int:
 def start_decode(engine: LLMEngine, batch: int, max_tokens: int, context: int = 0) -> None:
     """`batch` requests admitted and prefilled (prompts of about `context` tokens, or short), so the engine's next
     steps are pure decode steps."""
+    # NOTE: the first prompts decode while the later ones are prefilled in chunks: room for those tokens too,
+    # then each is left `max_tokens` from where it is, so that none finishes before the timed steps.
+    longest = max(len(engine.tokenizer.encode(context_prompt(engine, i, context))) for i in range(batch))
+    room = min(engine.max_model_len, engine.config.base_kv_blocks * engine.config.block_size) - longest
+    during_prefill = min(room, max_tokens + batch * longest // 16 + 16)
     for i in range(batch):
-        engine.add_request(context_prompt(engine, i, context), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                           lambda o: None)
+        engine.add_request(context_prompt(engine, i, context),
+                           SamplingParams(max_tokens=during_prefill, ignore_eos=True), lambda o: None)
     engine.step()  # takes the new requests
     while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
         engine.step()
+    for r in engine.scheduler.running:
+        r.params.max_tokens = min(r.params.max_tokens, r.num_output + max_tokens)
     decoding = len(engine.scheduler.running)
     if decoding != batch:  # the pool holds fewer such prompts: the steps would not be batch-`batch` decode steps
         engine.abort_all()
@@ -402,11 +403,9 @@ def bench_policy(args, policy: str) -> dict:
     if args.prefetch_ab and morph_policy != "int4" and cpu_kernels.ops() is not None:
         rows["dense_prefetch_ab"] = ab_table(engine, args.batches, use_dense_prefetch, "dense prefetch A/B",
                                              "no_prefetch", "prefetch_l2", steps=20, context=args.context)
-    if args.attention_ab and cpu_kernels.ops() is not None:
+    if args.prefetch_ab and cpu_kernels.ops() is not None:
         rows["kv_prefetch_ab"] = ab_table(engine, args.batches, use_kv_prefetch, "K/V prefetch A/B", "no_prefetch",
                                           "prefetch_l2", steps=20, context=args.context)
-        rows["shared_attention_ab"] = ab_table(engine, args.batches, use_shared_attention, "shared attention A/B",
-                                               "task_split", "shared", steps=20, context=args.context)
     if args.prefill_ab and morph_policy != "full":
         rows["prefill_ab"] = prefill_ab(engine)
         for r in rows["prefill_ab"]:
@@ -455,10 +454,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="also time decode steps with the software prefetch off and on, alternating step by step: "
                          "the INT4 tiles' for policies with INT4 layers, the dense kernels' for policies with "
-                         "full-precision layers")
-    ap.add_argument("--attention-ab", action="store_true",
-                    help="also time decode steps alternating the attention's K/V prefetch off and on, and the fused "
-                         "call's attention split by task or shared by the team (use with --context)")
+                         "full-precision layers, the attention's cached K/V rows for all (see --context)")
     ap.add_argument("--context", type=int, default=0, metavar="TOKENS",
                     help="decode with prompts of about TOKENS tokens (default: a 17-token sentence); the batch-1 "
                          "floor counts the K/V bytes a step reads beside the weights")

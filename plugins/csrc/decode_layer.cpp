@@ -19,7 +19,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <optional>
 #include <vector>
 
@@ -149,54 +148,6 @@ inline void share(int64_t n, int tid, int nt, int64_t& a, int64_t& b) {
   b = n * (tid + 1) / nt;
 }
 
-// Cached positions (summed over the rows) from which a few rows' attention is shared by the whole team rather
-// than split by (row, KV head) task, when those tasks do not divide evenly over the threads (SmolLM2's 3 KV
-// heads at batch 1 on 2 threads: one thread did two, the other waited). Below it the extra barrier costs more
-// than the imbalance.
-constexpr int64_t kSharedAttentionMinPositions = 64;
-
-// Process-wide: whether attend_shared may run (shared_attention op: A/B measurements; the bits are the same).
-std::atomic<int> use_shared_attention{1};
-
-// Attention with each (row, KV head) task shared by the team: each thread scores its share of the row's
-// positions (RoPE on every query head into `q`, its own; the thread whose share holds the last position writes
-// the new K/V first), then after a barrier softmaxes every row into `probs`, its own, and weighs the values for
-// its share of the head's features. Each score and each output is the same loop on the same inputs as in
-// attend_task, so the bits are the task split's.
-template <typename T, typename Sync>
-void attend_shared(int tid, int nt, Sync&& sync, const float* qkv, const float* cos, const float* sin, float* scores,
-                   float* att, int64_t B, int64_t H, const LayerKV& kv, const Positions& pos, float sc, float* q,
-                   std::vector<float>& probs, Scratch& w) {
-  const int64_t KVH = kv.kv_heads, D = kv.head_dim, G = H / KVH, L = pos.L;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = pos.len[b];
-    int64_t t0, t1;
-    share(n, tid, nt, t0, t1);
-    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      rope_queries(qkv, cos, sin, q, b, kvh, H, KVH, D);
-      if (tid == nt - 1) write_new_kv(qkv, cos, sin, b, kvh, H, kv, pos);
-      if (t1 > t0)
-        scores_of(q + (b * H + kvh * G) * D, rows_of<T>(kv, pos, b, kvh, t0, t1, false, w.keys), t0, t1, n, G, D, sc,
-                  scores + (b * KVH + kvh) * G * L);
-    }
-  }
-  sync();
-  int64_t u0, u1;
-  share(D / 8, tid, nt, u0, u1);
-  if (u1 == u0) return;
-  probs.resize(G * L);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = pos.len[b];
-    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      const float* s = scores + (b * KVH + kvh) * G * L;
-      std::copy(s, s + G * n, probs.data());
-      softmax_rows(probs.data(), G, n);
-      values_of(probs.data(), rows_of<T>(kv, pos, b, kvh, 0, n, true, w.vals), n, G, 8 * u0, 8 * u1, D,
-                att + (b * H + kvh * G) * D);
-    }
-  }
-}
-
 // `weights`: per layer input_layernorm, post_attention_layernorm, then 3 tensors for each of qkv, o, gate_up,
 // down (dense: weight and two empty tensors; INT4: packed, affine, pre_scale or an empty tensor). `meta`: per
 // layer and linear (kind, out_features, group_size). `layers`: the pool layer of each.
@@ -273,11 +224,6 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
   const float *cp = cos_c.data_ptr<float>(), *sp = sin_c.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   const float eps = static_cast<float>(eps_d), sc = static_cast<float>(scale);
-  int64_t positions_total = 0;
-  for (int64_t r = 0; r < B; ++r) positions_total += pos.len[r];
-  const bool may_share_attention = use_shared_attention.load(std::memory_order_relaxed) && B <= kOwnRowsMax && vector_heads(H / KVH, D) &&
-                                   positions_total >= kSharedAttentionMinPositions;
-  std::vector<float> shared_scores(may_share_attention ? B * H * pos.L : 0);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), 64)));
 
   // Every layer, run by each of the nt threads of a team; `sync` is the barrier between dependent phases.
@@ -299,9 +245,6 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
     auto row_sync = [&] {
       if (!own) sync();
     };
-    // A few rows' (row, KV head) tasks that do not divide over the team: every task shared by all (attend_shared).
-    const bool share_attention = own && may_share_attention && (B * KVH) % nt != 0;
-    std::vector<float> my_q(share_attention ? B * H * D : 0), probs;
     for (int64_t l = 0; l < n; ++l) {
       const Layer& L = plan[l];
       const float* hin = l == 0 ? h.data_ptr<float>() : rb.stream[(l - 1) % 2];
@@ -317,18 +260,10 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
       share(L.qkv.units(), tid, nt, a, b);
       L.qkv.run(rb.xn, B, qkv_y, a, b, rb.prep);
       sync();
-      if (share_attention && L.kv.half) {
-        attend_shared<uint16_t>(tid, nt, sync, qkv_y, cp, sp, shared_scores.data(), att, B, H, L.kv, pos, sc,
-                                my_q.data(), probs, w);
-      } else if (share_attention) {
-        attend_shared<float>(tid, nt, sync, qkv_y, cp, sp, shared_scores.data(), att, B, H, L.kv, pos, sc, my_q.data(),
-                             probs, w);
-      } else {
-        share(B * KVH, tid, nt, a, b);
-        for (int64_t task = a; task < b; ++task) {
-          rope_and_write(qkv_y, cp, sp, q, task / KVH, task % KVH, H, L.kv, pos);
-          attend_task(task, q, att, H, L.kv, pos, sc, w);
-        }
+      share(B * KVH, tid, nt, a, b);
+      for (int64_t task = a; task < b; ++task) {
+        rope_and_write(qkv_y, cp, sp, q, task / KVH, task % KVH, H, L.kv, pos);
+        attend_task(task, q, att, H, L.kv, pos, sc, w);
       }
       sync();
       if (L.o.kind == kInt4) {
@@ -373,19 +308,9 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
   return out;
 }
 
-// Lets a few rows' attention be shared by the team (1) or keeps the task split (0) when `on` >= 0; returns the
-// setting before the call. The results are bitwise the same either way: this exists to measure.
-int64_t shared_attention(int64_t on) {
-  TORCH_CHECK(on >= -1 && on <= 1, "shared_attention: 0 (off), 1 (on) or -1 (read) expected, got ", on);
-  const int previous = use_shared_attention.load();
-  if (on >= 0) use_shared_attention.store(static_cast<int>(on));
-  return previous;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
-  m.def("shared_attention(int on) -> int", shared_attention);  // no tensors: a catch-all kernel
   m.def("decode_layers(Tensor h, Tensor[] weights, int[] meta, int[] layers, Tensor cos, Tensor sin, "
         "Tensor(a!)[] segments, Tensor segment_of, Tensor slot_of, Tensor lens, float scale, int num_heads, "
         "float eps) -> Tensor");

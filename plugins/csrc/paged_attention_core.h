@@ -118,7 +118,8 @@ inline Positions positions(const at::Tensor& segment_of, const at::Tensor& slot_
 // measurements). A KV head's rows are D elements every KVH * D of a slot, and a sequence's slots hop from block
 // to block, so the hardware prefetcher keeps few of them in flight: one core read the 30 layers' fp32 K/V at 512
 // positions at 8.4 GB/s and at 2048 (fp16) at 4.0 GB/s. Asking for the rows ~8 KB ahead into L2 (prefetch_line)
-// read them at 15-17 and 10-11 GB/s (T0, into L1: 8-13; 16 keys ahead in either: at most 13).
+// read them at 15-17 and 10-11 GB/s (T0, into L1: 8-13; 16 keys ahead in either: at most 13; 32 and 64 fp32
+// keys alike). Bitwise the same results either way.
 inline std::atomic<int> use_kv_prefetch{1};
 constexpr int64_t kKVAheadBytes = 8192;
 
@@ -147,27 +148,25 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Keys per pass of scores_avx for G query heads: KT * G accumulators (FMA chains) live at once. One key at a time
-// left the G chains of 8 dependent FMAs (head_dim 64) latency-bound: 7.5 GB/s of fp32 KV on one core at 512
-// positions, against the ~20 GB/s that core streams.
+// Keys per pass of scores_avx for G query heads: KT * G accumulators (FMA chains) live at once, where one key at a
+// time had G chains of D / 8 dependent FMAs. With values_heads, a (row, KV head) task's cost per cached position
+// on one core, its K/V in L2 (256 positions, fp32): 20 -> 16 ns (docs/fused-decode.md).
 template <int G>
 constexpr int keys_per_pass() { return G <= 3 ? 4 : (G <= 5 ? 2 : 1); }
 
-// scores[g * n + t] = (q_g . k_t) * sc for the G query heads of one KV head and keys t in [t0, t1) (keys[j]:
-// key t0 + j): each key is read once for all G.
+// scores[g * n + t] = (q_g . k_t) * sc for the G query heads of one KV head: each key is read once for all G.
 template <int G, typename T>
-inline void scores_avx(const float* qg, const T* const* keys, int64_t t0, int64_t t1, int64_t n, int64_t D, float sc,
-                       float* scores) {
+inline void scores_avx(const float* qg, const T* const* keys, int64_t n, int64_t D, float sc, float* scores) {
   constexpr int KT = keys_per_pass<G>();
   const __m256 zero = _mm256_setzero_ps();
   const __m128 scale = _mm_set1_ps(sc);
   const int64_t ahead = kv_keys_ahead<T>(D);
-  for (int64_t t = t0; t < t1; t += KT) {
-    const int64_t cnt = std::min<int64_t>(KT, t1 - t);
+  for (int64_t t = 0; t < n; t += KT) {
+    const int64_t cnt = std::min<int64_t>(KT, n - t);
     const T* k[KT];
-    for (int j = 0; j < KT; ++j) k[j] = keys[t - t0 + std::min<int64_t>(j, cnt - 1)];  // a short last pass repeats a key
-    if (ahead > 0 && t + ahead + KT <= t1)
-      for (int j = 0; j < KT; ++j) prefetch_row(keys[t - t0 + ahead + j], D);
+    for (int j = 0; j < KT; ++j) k[j] = keys[t + std::min<int64_t>(j, cnt - 1)];  // a short last pass repeats a key
+    if (ahead > 0 && t + ahead + KT <= n)
+      for (int j = 0; j < KT; ++j) prefetch_row(keys[t + ahead + j], D);
     __m256 acc[KT][G];
     for (int j = 0; j < KT; ++j)
       for (int g = 0; g < G; ++g) acc[j][g] = zero;
@@ -197,12 +196,11 @@ inline void scores_avx(const float* qg, const T* const* keys, int64_t t0, int64_
 
 // Any G and D (the vector path needs D % 8 == 0 and G <= 8).
 template <typename T>
-inline void scores_scalar(const float* qg, const T* const* keys, int64_t t0, int64_t t1, int64_t n, int64_t G, int64_t D,
-                          float sc, float* scores) {
-  for (int64_t t = t0; t < t1; ++t)
+inline void scores_scalar(const float* qg, const T* const* keys, int64_t n, int64_t G, int64_t D, float sc, float* scores) {
+  for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qg[g * D + d] * load1(keys[t - t0] + d);
+      for (int64_t d = 0; d < D; ++d) dot += qg[g * D + d] * load1(keys[t] + d);
       scores[g * n + t] = dot * sc;
     }
 }
@@ -227,7 +225,8 @@ inline void softmax_rows(float* scores, int64_t G, int64_t n) {
 }
 
 // Output floats [d0, d1) of o_g = sum_t p[g, t] v_t for the G heads of one KV head (d0, d1 multiples of 8). Each
-// output is one FMA chain over t in order, whatever the chunking, so the bits do not depend on it or on the range.
+// output is one FMA chain over t in order, whatever the chunking, so the bits do not depend on it (and are the
+// one-head-at-a-time loop's that this replaced).
 // Up to 4 heads go together, CW vectors of each at once: a value row is read and widened once for all G, not G
 // times. More heads go one at a time, 64 floats (8 vectors) at once.
 template <int G, int CW, typename T>
@@ -256,85 +255,69 @@ inline void values_heads(const float* probs, const T* const* vals, int64_t n, in
 }
 
 template <typename T>
-inline void values_avx(const float* probs, const T* const* vals, int64_t n, int64_t G, int64_t d0, int64_t d1,
-                       int64_t D, float* og) {
+inline void values_avx(const float* probs, const T* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
   switch (G) {
-    case 1: values_heads<1, 8>(probs, vals, n, d0, d1, D, og); return;
-    case 2: values_heads<2, 4>(probs, vals, n, d0, d1, D, og); return;
-    case 3: values_heads<3, 4>(probs, vals, n, d0, d1, D, og); return;
-    case 4: values_heads<4, 2>(probs, vals, n, d0, d1, D, og); return;
+    case 1: values_heads<1, 8>(probs, vals, n, 0, D, D, og); return;
+    case 2: values_heads<2, 4>(probs, vals, n, 0, D, D, og); return;
+    case 3: values_heads<3, 4>(probs, vals, n, 0, D, D, og); return;
+    case 4: values_heads<4, 2>(probs, vals, n, 0, D, D, og); return;
     default:
-      for (int64_t g = 0; g < G; ++g) values_heads<1, 8>(probs + g * n, vals, n, d0, d1, D, og + g * D);
+      for (int64_t g = 0; g < G; ++g) values_heads<1, 8>(probs + g * n, vals, n, 0, D, D, og + g * D);
   }
 }
 
 template <typename T>
-inline void values_scalar(const float* probs, const T* const* vals, int64_t n, int64_t G, int64_t d0, int64_t d1,
-                          int64_t D, float* og) {
-  for (int64_t g = 0; g < G; ++g) std::fill(og + g * D + d0, og + g * D + d1, 0.f);
+inline void values_scalar(const float* probs, const T* const* vals, int64_t n, int64_t G, int64_t D, float* og) {
+  std::fill(og, og + G * D, 0.f);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = d0; d < d1; ++d) og[g * D + d] += probs[g * n + t] * load1(vals[t] + d);
+      for (int64_t d = 0; d < D; ++d) og[g * D + d] += probs[g * n + t] * load1(vals[t] + d);
 }
 
-// Per-thread scratch of attend_task and of the fused layer's split attention.
+// out [B, H, D] = softmax(q k^T * scale) v for every row over its lens[b] cached positions.
+// Per-thread scratch of attend_task.
 struct Scratch {
   std::vector<float> scores;
   std::vector<const void*> keys, vals;
 };
 
-// The vector loops need D % 8 == 0 and G <= 8; other shapes take the scalar ones.
-inline bool vector_heads(int64_t G, int64_t D) { return D % 8 == 0 && G >= 1 && G <= 8; }
-
-// Row b's cached keys (or values) of KV head kvh at positions [t0, t1), as pointers into the pool (`out`).
-template <typename T>
-inline const T* const* rows_of(const LayerKV& kv, const Positions& pos, int64_t b, int64_t kvh, int64_t t0, int64_t t1,
-                               bool values, std::vector<const void*>& out) {
-  const int64_t KVH = kv.kv_heads, D = kv.head_dim, L = pos.L;
-  out.resize(std::max<int64_t>(t1 - t0, 1));
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t s = pos.seg[b * L + t], off = (pos.slot[b * L + t] * KVH + kvh) * D;
-    out[t - t0] = (values ? kv.value<T>(s) : kv.key<T>(s)) + off;
-  }
-  return reinterpret_cast<const T* const*>(out.data());
-}
-
-// scores [G, n] of the G query heads qg against keys t in [t0, t1) (keys[j]: key t0 + j), scaled by sc.
-template <typename T>
-inline void scores_of(const float* qg, const T* const* keys, int64_t t0, int64_t t1, int64_t n, int64_t G, int64_t D,
-                      float sc, float* scores) {
-  if (!vector_heads(G, D)) return scores_scalar(qg, keys, t0, t1, n, G, D, sc, scores);
-  switch (G) {
-    case 1: return scores_avx<1>(qg, keys, t0, t1, n, D, sc, scores);
-    case 2: return scores_avx<2>(qg, keys, t0, t1, n, D, sc, scores);
-    case 3: return scores_avx<3>(qg, keys, t0, t1, n, D, sc, scores);
-    case 4: return scores_avx<4>(qg, keys, t0, t1, n, D, sc, scores);
-    case 5: return scores_avx<5>(qg, keys, t0, t1, n, D, sc, scores);
-    case 6: return scores_avx<6>(qg, keys, t0, t1, n, D, sc, scores);
-    case 7: return scores_avx<7>(qg, keys, t0, t1, n, D, sc, scores);
-    default: return scores_avx<8>(qg, keys, t0, t1, n, D, sc, scores);
-  }
-}
-
-// Output features [d0, d1) of the G heads og [G, D] from probabilities [G, n] and values t in [0, n).
-template <typename T>
-inline void values_of(const float* probs, const T* const* vals, int64_t n, int64_t G, int64_t d0, int64_t d1, int64_t D,
-                      float* og) {
-  if (!vector_heads(G, D)) return values_scalar(probs, vals, n, G, d0, d1, D, og);
-  values_avx(probs, vals, n, G, d0, d1, D, og);
-}
-
 // Task b * KVH + kvh: the G query heads of row b that share KV head kvh, over its lens[b] cached positions.
 template <typename T>
 inline void attend_task_as(int64_t task, const float* qp, float* op, int64_t H, const LayerKV& kv, const Positions& pos,
                            float sc, Scratch& w) {
-  const int64_t KVH = kv.kv_heads, D = kv.head_dim, G = H / KVH;
+  const int64_t KVH = kv.kv_heads, D = kv.head_dim, G = H / KVH, L = pos.L;
   const int64_t b = task / KVH, kvh = task % KVH, n = pos.len[b];
+  w.keys.resize(n);
+  w.vals.resize(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t s = pos.seg[b * L + t], off = (pos.slot[b * L + t] * KVH + kvh) * D;
+    w.keys[t] = kv.key<T>(s) + off;
+    w.vals[t] = kv.value<T>(s) + off;
+  }
+  const T* const* keys = reinterpret_cast<const T* const*>(w.keys.data());
+  const T* const* vals = reinterpret_cast<const T* const*>(w.vals.data());
   w.scores.resize(G * n);
+  const float* qg = qp + (b * H + kvh * G) * D;
+  float* og = op + (b * H + kvh * G) * D;
   float* scores = w.scores.data();
-  scores_of(qp + (b * H + kvh * G) * D, rows_of<T>(kv, pos, b, kvh, 0, n, false, w.keys), 0, n, n, G, D, sc, scores);
+  if (!(D % 8 == 0 && G >= 1 && G <= 8)) {
+    scores_scalar(qg, keys, n, G, D, sc, scores);
+    softmax_rows(scores, G, n);
+    values_scalar(scores, vals, n, G, D, og);
+    return;
+  }
+  switch (G) {
+    case 1: scores_avx<1>(qg, keys, n, D, sc, scores); break;
+    case 2: scores_avx<2>(qg, keys, n, D, sc, scores); break;
+    case 3: scores_avx<3>(qg, keys, n, D, sc, scores); break;
+    case 4: scores_avx<4>(qg, keys, n, D, sc, scores); break;
+    case 5: scores_avx<5>(qg, keys, n, D, sc, scores); break;
+    case 6: scores_avx<6>(qg, keys, n, D, sc, scores); break;
+    case 7: scores_avx<7>(qg, keys, n, D, sc, scores); break;
+    default: scores_avx<8>(qg, keys, n, D, sc, scores); break;
+  }
   softmax_rows(scores, G, n);
-  values_of(scores, rows_of<T>(kv, pos, b, kvh, 0, n, true, w.vals), n, G, 0, D, D, op + (b * H + kvh * G) * D);
+  values_avx(scores, vals, n, G, D, og);
 }
 
 inline void attend_task(int64_t task, const float* qp, float* op, int64_t H, const LayerKV& kv, const Positions& pos,
@@ -359,20 +342,13 @@ inline void store_kv(const float* x, uint16_t* out, int64_t n) {
 }
 
 
-// From row b of the fused q|k|v projection: RoPE on the G query heads of KV head kvh into q [B, H, D].
-inline void rope_queries(const float* qkv, const float* cos, const float* sin, float* qp, int64_t b, int64_t kvh,
-                         int64_t H, int64_t KVH, int64_t D) {
-  const int64_t half = D / 2, G = H / KVH;
+// From row b of the fused q|k|v projection: RoPE on the G query heads of KV head kvh into q [B, H, D], and the
+// new token's K (RoPE'd) and V of that head into its pool slot (the row's last position).
+inline void rope_and_write(const float* qkv, const float* cos, const float* sin, float* qp, int64_t b, int64_t kvh,
+                           int64_t H, const LayerKV& kv, const Positions& pos) {
+  const int64_t KVH = kv.kv_heads, D = kv.head_dim, half = D / 2, G = H / KVH;
   const float *row = qkv + b * (H + 2 * KVH) * D, *cb = cos + b * half, *sb = sin + b * half;
   for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) rope(row + h * D, cb, sb, qp + (b * H + h) * D, half);
-}
-
-// From row b of the fused q|k|v projection: the new token's K (RoPE'd) and V of KV head kvh into its pool slot
-// (the row's last position).
-inline void write_new_kv(const float* qkv, const float* cos, const float* sin, int64_t b, int64_t kvh, int64_t H,
-                         const LayerKV& kv, const Positions& pos) {
-  const int64_t KVH = kv.kv_heads, D = kv.head_dim, half = D / 2;
-  const float *row = qkv + b * (H + 2 * KVH) * D, *cb = cos + b * half, *sb = sin + b * half;
   const int64_t t = pos.len[b] - 1, seg = pos.seg[b * pos.L + t], slot = pos.slot[b * pos.L + t];
   const int64_t off = (slot * KVH + kvh) * D;
   if (!kv.half) {
@@ -384,12 +360,6 @@ inline void write_new_kv(const float* qkv, const float* cos, const float* sin, i
   rope(row + (H + kvh) * D, cb, sb, k, half);
   store_kv(k, kv.key<uint16_t>(seg) + off, D);
   store_kv(row + (H + KVH + kvh) * D, kv.value<uint16_t>(seg) + off, D);
-}
-
-inline void rope_and_write(const float* qkv, const float* cos, const float* sin, float* qp, int64_t b, int64_t kvh,
-                           int64_t H, const LayerKV& kv, const Positions& pos) {
-  rope_queries(qkv, cos, sin, qp, b, kvh, H, kv.kv_heads, kv.head_dim);
-  write_new_kv(qkv, cos, sin, b, kvh, H, kv, pos);
 }
 
 }  // namespace attn

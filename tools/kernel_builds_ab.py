@@ -1,0 +1,110 @@
+"""Decode steps of two or more builds of the C++ kernels, one process per build, in turn: what a kernel change
+did where it has no runtime switch (bench_engine's --*-ab flags switch the ones that have one).
+
+    python -m plugins.cpu_kernels && cp build/kernels/morphserve_kernels.so /tmp/after.so   # and a /tmp/before.so
+    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.kernel_builds_ab \\
+        --lib /tmp/before.so --lib /tmp/after.so --context 1024 --batch 1 --pairs 3 [--json FILE]
+
+Each process loads one library and every policy's engine at once (full and all-INT4 by default), admits `batch`
+requests of about `context` tokens, times decode steps with the engines taking turns, and prints the median
+step per policy with the read bandwidth. Builds alternate process by process, `pairs` times, so the host's drift
+hits each; per pair the first build's step over each other's, reported as the median pair [lowest, highest].
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.replay.provenance import code_version, now_utc
+
+
+def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, weight_dtype: str) -> dict:
+    """In this process: `lib` loaded, the policies' engines taking turns; median step seconds per policy."""
+    from plugins import cpu_kernels
+
+    cpu_kernels.library_path = lambda: Path(lib)  # before the first ops(): this process runs that build
+    import torch
+
+    from engines.build_fragments import default_fragment_dir
+    from tools import bench_engine
+
+    if cpu_kernels.ops() is None:
+        raise SystemExit(f"[builds] {lib} does not load (see the warning above)")
+    args = argparse.Namespace(fragment_dir=str(default_fragment_dir()), batches=[batch], weight_dtype=weight_dtype,
+                              threads=None, int4_prefill="auto")
+    engines = {p: bench_engine.make_engine(args, p) for p in policies}
+    times: dict[str, list[float]] = {p: [] for p in policies}
+    with torch.inference_mode():
+        for e in engines.values():
+            bench_engine.start_decode(e, batch, max_tokens=steps + 8, context=context)
+        for s in range(steps + 1):
+            for p, e in engines.items():
+                t = time.perf_counter()
+                e.step()
+                if s:  # the first turn warms up
+                    times[p].append(time.perf_counter() - t)
+    return {"lib": lib, "step_s": {p: statistics.median(v) for p, v in times.items()},
+            "bandwidth_GBps": bench_engine.read_bandwidth() / 1e9}
+
+
+def run_pairs(libs: list[str], policies: list[str], context: int, batch: int, steps: int, pairs: int,
+              weight_dtype: str) -> dict:
+    runs = []
+    for pair in range(pairs):
+        for lib in libs:
+            cmd = [sys.executable, "-m", "tools.kernel_builds_ab", "--worker", "--lib", lib, "--policy", *policies,
+                   "--context", str(context), "--batch", str(batch), "--steps", str(steps), "--weight-dtype", weight_dtype]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"[builds] {lib} failed:\n{out.stderr[-2000:]}")
+            run = json.loads(out.stdout.strip().splitlines()[-1])
+            run["pair"] = pair
+            runs.append(run)
+            print(f"[builds] pair {pair + 1} {Path(lib).name:>28}: "
+                  + "  ".join(f"{p} {run['step_s'][p] * 1e3:7.2f} ms" for p in policies)
+                  + f"  read {run['bandwidth_GBps']:.1f} GB/s", flush=True)
+    ratios = {}
+    for lib in libs[1:]:
+        for p in policies:
+            r = sorted(a["step_s"][p] / b["step_s"][p] for a, b in zip(runs[0::len(libs)], runs[libs.index(lib)::len(libs)]))
+            ratios[f"{Path(lib).name} {p}"] = {"median": statistics.median(r), "low": r[0], "high": r[-1]}
+            print(f"[builds] {Path(libs[0]).name} step / {Path(lib).name} step, {p}: {statistics.median(r):.2f}x "
+                  f"[{r[0]:.2f}, {r[-1]:.2f}] over {len(r)} pairs (context {context}, batch {batch})")
+    return {"runs": runs, "first_over_other": ratios}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lib", action="append", required=True, help="a built morphserve_kernels.so (repeat: 2 or more)")
+    ap.add_argument("--policy", nargs="+", default=["full", "int4"])
+    ap.add_argument("--context", type=int, default=0, help="prompt tokens per request (0: a short sentence)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=40, help="timed decode steps per policy and process")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--weight-dtype", default="float16", choices=["float32", "float16"])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.lib[0], args.policy, args.context, args.batch, args.steps, args.weight_dtype)))
+        return 0
+    if len(args.lib) < 2:
+        ap.error("give two or more --lib builds to compare")
+    missing = [lib for lib in args.lib if not Path(lib).is_file()]
+    if missing:
+        ap.error(f"no such library: {', '.join(missing)}")
+    run = {"command": "python -m tools.kernel_builds_ab " + " ".join(sys.argv[1:] if argv is None else argv),
+           **code_version(), "run_utc": now_utc()}
+    result = run_pairs(args.lib, args.policy, args.context, args.batch, args.steps, args.pairs, args.weight_dtype)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**run, **result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
