@@ -297,6 +297,18 @@ def start_decode(engine: LLMEngine, batch: int, max_tokens: int, context: int = 
                          f"{engine.pool.block_size} tokens); give smaller --batches or --context")
 
 
+def steps_taking_turns(engines: dict[str, LLMEngine], steps: int) -> dict[str, float]:
+    """Each engine's median decode step (s), the engines stepping in turn `steps` times (after one warm-up turn)."""
+    times: dict[str, list[float]] = {p: [] for p in engines}
+    for s in range(steps + 1):
+        for p, e in engines.items():
+            t = time.perf_counter()
+            e.step()
+            if s:  # the first turn warms up
+                times[p].append(time.perf_counter() - t)
+    return {p: statistics.median(ts) for p, ts in times.items()}
+
+
 def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
     """Every policy's decode step per batch with all the engines loaded at once, taking turns step by step, and
     the read bandwidth measured before each round: the VM's drift, which made sequential runs read 1.56x and
@@ -321,14 +333,7 @@ def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
             try:
                 for _ in range(rounds):
                     bws.append(read_bandwidth())
-                    times = {p: [] for p in engines}
-                    for s in range(steps + 1):
-                        for p, e in engines.items():
-                            t = time.perf_counter()
-                            e.step()
-                            if s:  # the first turn warms up
-                                times[p].append(time.perf_counter() - t)
-                    per_round.append({p: statistics.median(ts) for p, ts in times.items()})
+                    per_round.append(steps_taking_turns(engines, steps))
             finally:
                 for e in engines.values():
                     e.abort_all()

@@ -17,7 +17,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tools.replay.provenance import code_version, now_utc
@@ -38,18 +37,11 @@ def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, 
     args = argparse.Namespace(fragment_dir=str(default_fragment_dir()), batches=[batch], weight_dtype=weight_dtype,
                               threads=None, int4_prefill="auto")
     engines = {p: bench_engine.make_engine(args, p) for p in policies}
-    times: dict[str, list[float]] = {p: [] for p in policies}
     with torch.inference_mode():
         for e in engines.values():
             bench_engine.start_decode(e, batch, max_tokens=steps + 8, context=context)
-        for s in range(steps + 1):
-            for p, e in engines.items():
-                t = time.perf_counter()
-                e.step()
-                if s:  # the first turn warms up
-                    times[p].append(time.perf_counter() - t)
-    return {"lib": lib, "step_s": {p: statistics.median(v) for p, v in times.items()},
-            "bandwidth_GBps": bench_engine.read_bandwidth() / 1e9}
+        step_s = bench_engine.steps_taking_turns(engines, steps)
+    return {"lib": lib, "step_s": step_s, "bandwidth_GBps": bench_engine.read_bandwidth() / 1e9}
 
 
 def run_pairs(libs: list[str], policies: list[str], context: int, batch: int, steps: int, pairs: int,
