@@ -75,13 +75,17 @@ def test_dense_prefetch_ab_times_both_settings_and_leaves_it_on():
 
 
 def test_a_long_context_step_counts_its_cached_kv_and_the_kv_prefetch_ab_leaves_it_on():
+    import torch
+
     from plugins import cpu_kernels
 
     if cpu_kernels.ops() is None:
         pytest.skip("no C++ kernels")
-    engine = bench_engine.make_engine(_args(policy=["int4"], threads=2), "int4")
+    engine = bench_engine.make_engine(_args(policy=["int4"], threads=2, kv_cache_dtype="float16"), "int4")
+    assert engine.pool.dtype == torch.float16  # the served default pool, asked for
     step, kv = bench_engine.decode_step_time(engine, 1, steps=2, context=90)
     per_token = engine.pool.bytes_per_block // engine.pool.block_size
+    assert per_token == 2 * 30 * 2 * 3 * 64  # fp16 K and V of SmolLM2's 30 layers, 3 KV heads of 64
     assert step > 0 and 85 * per_token <= kv <= 91 * per_token  # the prompt's tokens (re-encoding may merge a few)
     rows = bench_engine.ab_table(engine, [1, 2], bench_engine.use_kv_prefetch, "K/V prefetch A/B", "off", "on", steps=2,
                                  context=90)

@@ -251,6 +251,7 @@ def make_engine(args, policy: str) -> LLMEngine:
     activations = next((o for o in options if o != "avx2"), "int8")
     engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=morph_policy, max_batch_size=max(args.batches),
                                     weight_dtype=args.weight_dtype, num_threads=args.threads,
+                                    kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                                     int4_activations=activations, int4_prefill=args.int4_prefill,
                                     lm_head_activations="float32" if avx2 else "auto"))
     if cpu_kernels.ops() is not None:  # process-wide, like the settings above
@@ -367,7 +368,7 @@ def bench_policy(args, policy: str) -> dict:
     dtype = engine.config.torch_dtype
     print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} "
           f"AVX-512 VNNI tiles={'yes' if vnni else 'no'} lm_head activations={head_activations()} "
-          f"dtype={dtype} weights={engine.config.weight_torch_dtype} threads={torch.get_num_threads()} "
+          f"dtype={dtype} weights={engine.config.weight_torch_dtype} kv={engine.pool.dtype} threads={torch.get_num_threads()} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
           f"C++ kernels={'yes' if cpu_kernels.ops() is not None else 'no'} "
           f"fused decode layer={'yes' if cpu_kernels.ops() is not None and fused_decode.enabled() else 'no'}")
@@ -463,6 +464,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=0, metavar="TOKENS",
                     help="decode with prompts of about TOKENS tokens (default: a 17-token sentence); the batch-1 "
                          "floor counts the K/V bytes a step reads beside the weights")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                    help="storage of the KV pool (auto: the engine's default, fp32; the served default is float16)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
     ap.add_argument("--prefill-ab", action="store_true",
