@@ -1,10 +1,11 @@
 """Engine benchmark: prefill and decode throughput, the engine's overhead over its matmuls, memory, swaps.
 
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.bench_engine [--fragment-dir DIR] [--batches 1 8 16 32] \
-        [--weight-dtype float16] [--policy full int4] [--threads N] [--json FILE]
+        [--weight-dtype float16] [--kv-cache-dtype float16] [--context TOKENS] [--policy full int4] [--threads N] [--json FILE]
 
-Prints one table per policy. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights read per
-token over the measured read bandwidth) and the share of it reached; beside every batch the time of the same
+Prints one table per policy. Decode steps follow a 17-token prompt, or with --context prompts of that many
+tokens. Beside batch 1 it prints the memory-bandwidth floor (bytes of weights and cached K/V read per token over
+the measured read bandwidth) and the share of it reached; beside every batch the time of the same
 step's matmuls alone (the engine's own operators: dense kernel or INT4, and the LM head), so the engine's own
 overhead shows as a ratio, and for dense weights the same matmuls with `F.linear` (MKL), so the C++ decode
 kernel's gain shows too. `--fused-ab` adds per batch the step with the fused decode call off and on,
