@@ -8,7 +8,7 @@ of 64), for one build of the C++ kernels: what a change to plugins/csrc/paged_at
 - in cache: one layer at 256 and 1024 positions (fp32 K/V: 384 KB, in L2, and 1.5 MB) on one thread, called over and over:
   nanoseconds per (position, KV head) beyond a one-position call;
 - `--dump FILE`: the outputs of 40 cases (1-9 query heads per KV head, head_dim 6-136, fp32 and fp16 pools, 1-513
-  positions, 1 and 2 threads) saved with torch.save, to compare two builds bit for bit (`--compare A B`).
+  positions, 1 and 2 threads) saved as safetensors, to compare two builds bit for bit (`--compare A B`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 KVH, GROUP, D, LAYERS = 3, 3, 64, 30
 
@@ -91,12 +92,12 @@ def dump(ns, path: str) -> None:
                 torch.set_num_threads(threads)
                 out[f"{dtype} kvh={kvh} group={group} d={d} threads={threads}"] = ns.paged_decode_attention(
                     q, kv, seg_of, slot_of, torch.tensor(lens), 1, d**-0.5)
-    torch.save(out, path)
+    save_file({k: v.contiguous() for k, v in out.items()}, path)
     print(f"[attention] {len(out)} cases' outputs in {path}")
 
 
 def compare(a: str, b: str) -> int:
-    x, y = torch.load(a), torch.load(b)
+    x, y = load_file(a), load_file(b)
     differ = [k for k in x if not torch.equal(x[k], y[k])]
     print(f"[attention] {len(x)} cases, {len(differ)} differ" + (f": {differ}" if differ else " (bitwise equal)"))
     return 1 if differ or x.keys() != y.keys() else 0
