@@ -15,7 +15,8 @@
 They are compiled with the platform's C++ compiler into `build/kernels/` by `python -m plugins.cpu_kernels`
 (the set-up step runs it; a no-op when up to date). Where they are not built, cannot be loaded, or the CPU
 lacks AVX2/FMA/F16C, callers fall back to the torch ops and one log line says why. `MORPHSERVE_CPU_KERNELS=0`
-turns them off (the torch reference path).
+turns them off (the torch reference path); `MORPHSERVE_KERNELS_LIBRARY=PATH` loads another build instead
+(comparing builds: tools/kernel_builds_ab.py, tools/microbench/).
 """
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ def library_path() -> Path:
     return BUILD_DIR / f"{LIBRARY_NAME}.so"
 
 
+def library_to_load() -> Path:
+    """The build ops() loads: MORPHSERVE_KERNELS_LIBRARY where set, else the one in BUILD_DIR."""
+    return Path(os.environ.get("MORPHSERVE_KERNELS_LIBRARY") or library_path())
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the kernels into BUILD_DIR (a no-op when up to date) and return the library's path."""
     from torch.utils import cpp_extension
@@ -88,7 +94,7 @@ def ops():
             why = "MORPHSERVE_CPU_KERNELS=0"
         else:
             why = unsupported_reason()
-        lib = library_path()
+        lib = library_to_load()
         if why is None and not lib.exists():
             why = f"{lib} is not built (python -m plugins.cpu_kernels)"
         if why is None:

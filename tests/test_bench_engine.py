@@ -11,7 +11,7 @@ from tools import bench_engine
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(fragment_dir=str(fragment_dir()), batches=[1, 3], policy=["full", "int4"], threads=1,
-                int4_prefill="auto", weight_dtype="float16", context=0)
+                int4_prefill="auto", weight_dtype="float16", context=0, kv_cache_dtype="auto")
     return argparse.Namespace(**{**base, **kw})
 
 

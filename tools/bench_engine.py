@@ -252,7 +252,7 @@ def make_engine(args, policy: str) -> LLMEngine:
     activations = next((o for o in options if o != "avx2"), "int8")
     engine = LLMEngine(EngineConfig(fragment_dir=args.fragment_dir, morph_policy=morph_policy, max_batch_size=max(args.batches),
                                     weight_dtype=args.weight_dtype, num_threads=args.threads,
-                                    kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                                    kv_cache_dtype=args.kv_cache_dtype,
                                     int4_activations=activations, int4_prefill=args.int4_prefill,
                                     lm_head_activations="float32" if avx2 else "auto"))
     if cpu_kernels.ops() is not None:  # process-wide, like the settings above

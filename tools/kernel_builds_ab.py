@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,11 +24,11 @@ from tools.replay.provenance import code_version, now_utc
 
 
 def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, weight_dtype: str) -> dict:
-    """In this process: `lib` loaded, the policies' engines taking turns; median step seconds per policy."""
-    from plugins import cpu_kernels
-
-    cpu_kernels.library_path = lambda: Path(lib)  # before the first ops(): this process runs that build
+    """In this process (started with MORPHSERVE_KERNELS_LIBRARY=lib): the policies' engines taking turns; median
+    step seconds per policy."""
     import torch
+
+    from plugins import cpu_kernels
 
     from engines.build_fragments import default_fragment_dir
     from tools import bench_engine
@@ -35,7 +36,7 @@ def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, 
     if cpu_kernels.ops() is None:
         raise SystemExit(f"[builds] {lib} does not load (see the warning above)")
     args = argparse.Namespace(fragment_dir=str(default_fragment_dir()), batches=[batch], weight_dtype=weight_dtype,
-                              threads=None, int4_prefill="auto")
+                              threads=None, int4_prefill="auto", kv_cache_dtype="auto")
     engines = {p: bench_engine.make_engine(args, p) for p in policies}
     with torch.inference_mode():
         for e in engines.values():
@@ -51,7 +52,8 @@ def run_pairs(libs: list[str], policies: list[str], context: int, batch: int, st
         for lib in libs:
             cmd = [sys.executable, "-m", "tools.kernel_builds_ab", "--worker", "--lib", lib, "--policy", *policies,
                    "--context", str(context), "--batch", str(batch), "--steps", str(steps), "--weight-dtype", weight_dtype]
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            out = subprocess.run(cmd, capture_output=True, text=True,
+                                 env={**os.environ, "MORPHSERVE_KERNELS_LIBRARY": lib})
             if out.returncode != 0:
                 raise SystemExit(f"[builds] {lib} failed:\n{out.stderr[-2000:]}")
             run = json.loads(out.stdout.strip().splitlines()[-1])
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     if missing:
         ap.error(f"no such library: {', '.join(missing)}")
     run = {"command": "python -m tools.kernel_builds_ab " + " ".join(sys.argv[1:] if argv is None else argv),
-           **code_version(), "run_utc": now_utc()}
+           **code_version(), "run_utc": now_utc(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
     result = run_pairs(args.lib, args.policy, args.context, args.batch, args.steps, args.pairs, args.weight_dtype)
     if args.json:
         Path(args.json).write_text(json.dumps({**run, **result}, indent=1))

@@ -179,9 +179,9 @@ inline void scores_avx(const float* qg, const T* const* keys, int64_t n, int64_t
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m128 r = _mm_mul_ps(hsum4(acc[0][g], KT > 1 ? acc[KT > 1 ? 1 : 0][g] : zero,
-                                        KT > 2 ? acc[KT > 2 ? 2 : 0][g] : zero, KT > 3 ? acc[KT > 3 ? 3 : 0][g] : zero),
-                                  scale);
+      __m256 four[4] = {zero, zero, zero, zero};  // a pass of fewer than 4 keys sums zeros beside them
+      for (int j = 0; j < KT; ++j) four[j] = acc[j][g];
+      const __m128 r = _mm_mul_ps(hsum4(four[0], four[1], four[2], four[3]), scale);
       float* out = scores + g * n + t;
       if (cnt == 4) {
         _mm_storeu_ps(out, r);

@@ -13,10 +13,8 @@ of 64), for one build of the C++ kernels: what a change to plugins/csrc/paged_at
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
-import time
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,10 +23,10 @@ KVH, GROUP, D, LAYERS = 3, 3, 64, 30
 
 
 def _ops(lib: str | None):
+    if lib:  # before the first ops(): this process runs that build
+        os.environ["MORPHSERVE_KERNELS_LIBRARY"] = lib
     from plugins import cpu_kernels
 
-    if lib:
-        cpu_kernels.library_path = lambda: Path(lib)  # before the first ops(): this process runs that build
     ns = cpu_kernels.ops()
     if ns is None:
         raise SystemExit("[attention] the C++ kernels do not load (see the warning above)")
@@ -36,15 +34,10 @@ def _ops(lib: str | None):
 
 
 def _median_s(fn, reps: int, inner: int = 1) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t) / inner)
-    return statistics.median(times)
+    """Median seconds of one fn() call over `reps` timings of `inner` calls each (bench_engine.median_time)."""
+    from tools.bench_engine import median_time
+
+    return median_time(lambda: [fn() for _ in range(inner)], reps, warmup=3) / inner
 
 
 def from_memory(ns) -> None:
