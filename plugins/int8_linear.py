@@ -164,6 +164,18 @@ class Int8Table:
         held = sum(t.numel() for t in (self._rows, self._packed) if t is not None)
         return held + self.scales.numel() * 4
 
+    def resident_tensors(self) -> list[Tensor]:
+        """The bytes it holds, in the layout held (for a caller that moves them: `adopt`)."""
+        return [self._rows if self._rows is not None else self._packed, self.scales]
+
+    def adopt(self, tensors: list[Tensor]) -> None:
+        """Hold `tensors` instead of `resident_tensors()` (equal copies, same order: e.g. on huge pages)."""
+        held, self.scales = tensors
+        if self._rows is not None:
+            self._rows = held
+        else:
+            self._packed = held
+
     def linear(self, x: Tensor) -> Tensor:
         """x [M, dim] -> fp32 [M, rows]."""
         kernel = self._cpp is not None and x.dim() == 2 and x.dtype == torch.float32

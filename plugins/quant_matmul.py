@@ -227,6 +227,17 @@ class Int4Linear:
         return self._cpp.int4_linear(x, self._packed, self._scales_zeros, self._pre_scale, self.out_features,
                                      self.group_size, skinny_gemm.MAX_ROWS)
 
+    def resident_tensors(self) -> list[Tensor]:
+        """The tensors it holds (for a caller that moves them: `adopt`)."""
+        return [t for t in (self._packed, self._scales_zeros, self._pre_scale) if t is not None]
+
+    def adopt(self, tensors: list[Tensor]) -> None:
+        """Hold `tensors` instead of `resident_tensors()` (equal copies, same order: e.g. on huge pages)."""
+        it = iter(tensors)
+        self._packed, self._scales_zeros = next(it), next(it)
+        if self._pre_scale is not None:
+            self._pre_scale = next(it)
+
     def fused_args(self) -> tuple[list[Tensor], list[int]] | None:
         """This linear's part of `plugins.decode_layer.decode_layers`' arguments (C++ packing only), else None."""
         if self._cpp is None:
@@ -260,6 +271,12 @@ class Int8Linear:
     @property
     def nbytes(self) -> int:
         return _nbytes(self._weight, self._scales)
+
+    def resident_tensors(self) -> list[Tensor]:
+        return [self._weight, self._scales]
+
+    def adopt(self, tensors: list[Tensor]) -> None:
+        self._weight, self._scales = tensors
 
 
 def _nbytes(*tensors: Tensor | None) -> int:

@@ -34,6 +34,7 @@ from plugins import decode_layer as fused_decode
 from plugins.int8_linear import head_activations, q8_kernel_supported, set_head_activations
 from plugins.quant_matmul import set_int4_prefill
 from tools.replay.provenance import code_version, now_utc
+from trtllm_backend import huge_pages
 from trtllm_backend.config import EngineConfig
 from trtllm_backend.engine import LLMEngine
 from trtllm_backend.sampling import SamplingParams
@@ -240,9 +241,9 @@ def peak_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 
 
-def make_engine(args, policy: str) -> LLMEngine:
+def make_engine(args, policy: str, huge_pages: bool = True) -> LLMEngine:
     """An engine for `policy` (a morph policy with an optional @ suffix, see --policy), its process-wide kernel
-    settings applied."""
+    settings applied; `huge_pages`: EngineConfig.huge_pages."""
     morph_policy, _, suffix = policy.partition("@")
     options = [o for o in suffix.split(",") if o]
     unknown = set(options) - {"int8", "float32", "avx2"}
@@ -254,7 +255,7 @@ def make_engine(args, policy: str) -> LLMEngine:
                                     weight_dtype=args.weight_dtype, num_threads=args.threads,
                                     kv_cache_dtype=args.kv_cache_dtype,
                                     int4_activations=activations, int4_prefill=args.int4_prefill,
-                                    lm_head_activations="float32" if avx2 else "auto"))
+                                    lm_head_activations="float32" if avx2 else "auto", huge_pages=huge_pages))
     if cpu_kernels.ops() is not None:  # process-wide, like the settings above
         use_avx512(not avx2)
     return engine
@@ -311,6 +312,40 @@ def steps_taking_turns(engines: dict[str, LLMEngine], steps: int) -> dict[str, f
     return {p: statistics.median(ts) for p, ts in times.items()}
 
 
+def round_ratios(per_round: list[dict[str, float]], a: str, b: str) -> dict:
+    """Per round a's step over b's: the median round with the lowest and highest."""
+    ratios = sorted(r[a] / r[b] for r in per_round)
+    return {"median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]}
+
+
+def huge_pages_ab(args, policy: str, engine: LLMEngine, rounds: int = 5, steps: int = 8) -> list[dict]:
+    """Per batch, `engine` (weights and KV on 2 MiB pages) and a twin on 4 KiB pages (EngineConfig.huge_pages
+    off) taking turns step by step, `rounds` rounds: what the pages alone give, the drift hitting both."""
+    small = make_engine(args, policy, huge_pages=False)
+    engines = {"4KiB": small, "2MiB": engine}
+    print(f"[bench] huge pages A/B, engines taking turns, {rounds} rounds of {steps} steps: "
+          f"{'batch':>5} {'4 KiB pages ms':>15} {'2 MiB pages ms':>15} {'4 KiB/2 MiB':>22}")
+    out = []
+    with torch.inference_mode():
+        for b in args.batches:
+            for e in engines.values():
+                start_decode(e, b, max_tokens=rounds * (steps + 1) + 8, context=args.context)
+            try:
+                per_round = [steps_taking_turns(engines, steps) for _ in range(rounds)]
+            finally:
+                for e in engines.values():
+                    e.abort_all()
+            row = {"batch": b, **{f"{p}_step_s": statistics.median(r[p] for r in per_round) for p in engines},
+                   "ratio": round_ratios(per_round, "4KiB", "2MiB")}
+            out.append(row)
+            r = row["ratio"]
+            print(f"[bench] {'':>62} {b:>5} {row['4KiB_step_s'] * 1e3:15.2f} {row['2MiB_step_s'] * 1e3:15.2f} "
+                  f"{r['median']:10.3f} [{r['low']:.3f}, {r['high']:.3f}]")
+    del small
+    gc.collect()
+    return out
+
+
 def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
     """Every policy's decode step per batch with all the engines loaded at once, taking turns step by step, and
     the read bandwidth measured before each round: the VM's drift, which made sequential runs read 1.56x and
@@ -344,8 +379,7 @@ def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
                    "step_s": {p: statistics.median(r[p] for r in per_round) for p in engines},
                    "tok_s_over_first": {}}
             for p in args.policy[1:]:
-                ratios = sorted(r[first] / r[p] for r in per_round)
-                row["tok_s_over_first"][p] = {"median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]}
+                row["tok_s_over_first"][p] = round_ratios(per_round, first, p)
             if b == 1:
                 row["share_of_floor"] = {p: (engines[p].model.weights_nbytes + kv[p]) / bw / row["step_s"][p]
                                          for p in engines}
@@ -378,7 +412,12 @@ def bench_policy(args, policy: str) -> dict:
     # stays under it on one core is bound by its own work per byte, not by the memory the floor assumes.
     bw1 = read_bandwidth(threads=1)
     weight_bytes = engine.model.weights_nbytes
-    rows = {"policy": policy, "bandwidth_GBps": bw / 1e9, "bandwidth_1thread_GBps": bw1 / 1e9, "weight_bytes": weight_bytes,
+    huge = huge_pages.anon_huge_bytes()
+    print(f"[bench] 2 MiB pages: EngineConfig.huge_pages={engine.config.huge_pages}, the kernel's THP setting "
+          f"'{huge_pages.thp_mode()}'; {huge / 1e6:.0f} MB of the process on huge pages beside {weight_bytes / 1e6:.0f} MB "
+          f"of weights")
+    rows = {"huge_pages": engine.config.huge_pages, "thp_mode": huge_pages.thp_mode(), "anon_huge_bytes": huge,
+            "policy": policy, "bandwidth_GBps": bw / 1e9, "bandwidth_1thread_GBps": bw1 / 1e9, "weight_bytes": weight_bytes,
             "weight_dtype": str(engine.config.weight_torch_dtype), "threads": torch.get_num_threads(), "decode": []}
     rows["prefill_tok_s"] = prefill_rate(engine)
     print(f"[bench] read bandwidth {bw / 1e9:.1f} GB/s (one thread {bw1 / 1e9:.1f}); weights read per step {weight_bytes / 1e6:.0f} MB; prefill {rows['prefill_tok_s']:.0f} tok/s (512-token prompt)")
@@ -413,6 +452,8 @@ def bench_policy(args, policy: str) -> dict:
     if args.prefetch_ab and cpu_kernels.ops() is not None:
         rows["kv_prefetch_ab"] = ab_table(engine, args.batches, use_kv_prefetch, "K/V prefetch A/B", "no_prefetch",
                                           "prefetch_l2", steps=20, context=args.context)
+    if args.huge_pages_ab:
+        rows["huge_pages_ab"] = huge_pages_ab(args, policy, engine)
     if args.prefill_ab and morph_policy != "full":
         rows["prefill_ab"] = prefill_ab(engine)
         for r in rows["prefill_ab"]:
@@ -469,6 +510,9 @@ def main(argv=None) -> int:
                     help="storage of the KV pool (auto: the engine's default, fp32; the served default is float16)")
     ap.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16"],
                     help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)")
+    ap.add_argument("--huge-pages-ab", action="store_true",
+                    help="also time decode steps of the engine beside a twin with EngineConfig.huge_pages off (weights "
+                         "and KV on 4 KiB pages), the two taking turns step by step, 5 rounds per batch")
     ap.add_argument("--prefill-ab", action="store_true",
                     help="for policies with INT4 layers: also time prefill with int4_prefill bfloat16 and decode, "
                          "alternating pass by pass (a 512-token prompt; 16 prompts of 128 tokens)")

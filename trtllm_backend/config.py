@@ -63,6 +63,9 @@ class EngineConfig:
     # Morph actions at given engine iterations, "down:K@ITER,up:K@ITER" (benchmarks, tests): they run whatever
     # the policy, after any action in flight. Empty: the MORPHSERVE_FORCE_MORPH environment variable (a test hook).
     force_morph: str = ""
+    # Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer TLB
+    # misses as a step streams the weights (trtllm_backend/huge_pages.py; all-INT4 batch 1 ~1.1x on the VM).
+    huge_pages: bool = True
     # Check the state invariants (trtllm_backend/invariants.py) after every iteration's morph step; a violation
     # is counted (EngineStats.invariant_violations) and logged with the state. Cheap enough to leave on.
     check_invariants: bool = True

@@ -52,14 +52,14 @@ class LLMEngine:
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.store = FragmentStore(self.manifest, config.torch_dtype, config.weight_torch_dtype)
+        self.store = FragmentStore(self.manifest, config.torch_dtype, config.weight_torch_dtype, config.huge_pages)
         from .tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer(self.manifest)
         self._eos_ids = sorted(self.tokenizer.eos_token_ids)
         self._eos_index = torch.tensor(self._eos_ids, dtype=torch.long)
         self.model = LlamaModel(self.store, self.max_model_len)
-        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device)
+        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages)
         self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)

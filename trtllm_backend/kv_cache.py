@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import huge_pages
 from .manifest import ModelConfig
 
 
@@ -38,11 +39,13 @@ SlotPiece = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
 class KVPool:
     """Owns the segments and hands out blocks. Not thread-safe: used by the engine thread only."""
 
-    def __init__(self, config: ModelConfig, block_size: int, dtype: torch.dtype, device: str = "cpu"):
+    def __init__(self, config: ModelConfig, block_size: int, dtype: torch.dtype, device: str = "cpu",
+                 huge_pages: bool = True):
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        self.huge_pages = huge_pages
         self.segments: list[KVSegment] = []
         self._next_base = 0
         self._num_blocks = 0  # sum over segments, kept by add_segment / release_segment (read every iteration)
@@ -61,10 +64,13 @@ class KVPool:
     def add_segment(self, num_blocks: int) -> KVSegment:
         c = self.config
         # NOTE: empty, not zeros: every slot is written before it is read (paged_attention writes the new
-        # tokens first and gathers only written positions), and untouched pages cost no RSS.
-        kv = torch.empty(
-            c.num_layers, 2, num_blocks * self.block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device
-        )
+        # tokens first and gathers only written positions), and untouched pages cost no RSS (on 2 MiB pages a
+        # first write makes a whole page of one layer's K or V resident; the account counts the segment anyway).
+        shape = (c.num_layers, 2, num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
+        if self.huge_pages and self.device == "cpu":  # scattered blocks: fewer TLB misses (trtllm_backend.huge_pages)
+            kv = huge_pages.empty_tensor(shape, self.dtype)
+        else:
+            kv = torch.empty(shape, dtype=self.dtype, device=self.device)
         seg = KVSegment(self._next_base, num_blocks, kv)
         # Lowest ids are handed out first: they are popped from the end of the list.
         seg.free = list(range(seg.base + num_blocks - 1, seg.base - 1, -1))

@@ -15,6 +15,7 @@ from plugins import skinny_gemm
 from plugins.elementwise import add_rms_norm, rms_norm, rope_heads, silu_mul
 from plugins.paged_attention import decode_attention_qkv, paged_attention
 
+from . import huge_pages
 from .attention import AttentionPlan
 from .manifest import ModelConfig
 from .precision import Precision
@@ -34,6 +35,12 @@ class DenseLinear:
     def fused_args(self):
         return fused.dense_args(self.weight)
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def adopt(self, tensors: list[torch.Tensor]) -> None:
+        (self.weight,) = tensors
+
 
 
 @dataclass(slots=True)
@@ -49,6 +56,18 @@ class LayerWeights:
     def nbytes(self) -> int:
         norms = self.input_layernorm.numel() * self.input_layernorm.element_size() * 2
         return norms + sum(op.nbytes for op in (self.qkv, self.o, self.gate_up, self.down))
+
+    def pack_on_huge_pages(self) -> "LayerWeights":
+        """Move every tensor of the layer into one buffer on 2 MiB pages (trtllm_backend.huge_pages: a layer's
+        tensors are too small to fill a page alone); before the layer is bound (the fused calls keep
+        pointers)."""
+        ops = (self.qkv, self.o, self.gate_up, self.down)
+        held = [op.resident_tensors() for op in ops]
+        moved = iter(huge_pages.pack([self.input_layernorm, self.post_attention_layernorm, *(t for h in held for t in h)]))
+        self.input_layernorm, self.post_attention_layernorm = next(moved), next(moved)
+        for op, h in zip(ops, held):
+            op.adopt([next(moved) for _ in h])
+        return self
 
 
 def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> LayerWeights:
