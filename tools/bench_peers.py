@@ -344,6 +344,8 @@ def main(argv=None) -> int:
                     help="storage of our full-precision weights")
     ap.add_argument("--servers", default="llama.cpp,ours-full,ours-int4")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--ours-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config.pbtxt parameter for our servers (repeatable), e.g. --ours-param huge_pages=false")
     ap.add_argument("--llama-arg", action="append", default=[],
                     help="extra llama-server argument (repeatable), e.g. --llama-arg=--poll --llama-arg=0: its "
                          "threads then sleep while waiting, as ours do (OMP_WAIT_POLICY=PASSIVE); its default "
@@ -351,6 +353,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/peers")
     ap.add_argument("--report-only", action="store_true", help="rebuild report.md from <out>/peers.json")
     args = ap.parse_args(argv)
+    if bad := [kv for kv in args.ours_param if "=" not in kv.strip("=")]:
+        ap.error(f"--ours-param takes KEY=VALUE, got {bad}")
     if args.report_only:
         out = ROOT / args.out
         write_report(out, json.loads((out / "peers.json").read_text()))
@@ -392,7 +396,8 @@ def main(argv=None) -> int:
             else:
                 policy = "full" if name == "ours-full" else "int4"
                 params = {"morph_policy": policy, "weight_dtype": args.weight_dtype,
-                          "max_batch_size": str(max(args.levels)), "num_threads": str(args.threads)}
+                          "max_batch_size": str(max(args.levels)), "num_threads": str(args.threads),
+                          **dict(kv.split("=", 1) for kv in args.ours_param)}
                 http, grpc, metrics = free_ports(3)
                 servers[name] = launch(params=params, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                        log_path=out / f"{name}.log")

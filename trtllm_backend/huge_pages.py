@@ -2,9 +2,9 @@
 
 Why: a decode step streams every resident weight once. On 4 KiB pages that is a TLB miss per 4 KiB, and in a
 virtual machine each miss walks the guest's and the host's page tables; the hardware prefetchers also restart
-at every 4 KiB boundary. Measured on the 2-core VM, engines taking turns in one process, one on 2 MiB pages:
-all-INT4 batch-1 step 1.12x faster (4.50 -> 4.00 ms), full precision 1.02x, batch 8-16 1.02-1.05x; the KV
-segments add 1.05x to all-INT4 at 512 cached tokens (`tools.bench_engine --huge-pages-ab`).
+at every 4 KiB boundary. Measured on the 2-core VM against a twin engine on 4 KiB pages, the two taking turns
+(`tools.bench_engine --huge-pages-ab`, results/bench_engine_huge_pages_ab.txt): all-INT4 steps 1.12x faster at
+batch 1, 1.06-1.09x at 8-32, 1.16x at 512 cached tokens; full precision 1.03-1.11x.
 
 How: `empty` over-allocates by one page's worth of address space (never touched, so never resident), starts
 the buffer on a 2 MiB boundary and madvises the whole pages inside it before anything touches them; the tail
