@@ -41,6 +41,18 @@ def test_pack_copies_side_by_side_in_one_buffer():
     assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:]))  # no overlap
 
 
+@pytest.mark.parametrize("text, reason", [
+    ("always [madvise] never\n", None), ("[always] madvise never\n", None),
+    ("always madvise [never]\n", "off"), (None, "no transparent huge pages")])
+def test_the_reason_for_no_huge_pages_names_the_setting(tmp_path, monkeypatch, text, reason):
+    setting = tmp_path / "enabled"
+    if text is not None:
+        setting.write_text(text)
+    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
+    why = huge_pages.unavailable_reason()
+    assert why is None if reason is None else (reason in why and str(setting) in why)
+
+
 def test_pack_of_nothing_on_the_cpu_is_the_input():
     assert huge_pages.pack([]) == []
 
@@ -102,3 +114,15 @@ def test_the_engine_puts_weights_and_kv_on_huge_pages_and_decodes_bitwise_the_sa
         engine.on_logits = lambda rid, row: rows.append(row.clone())
         list(engine.generate("The capital of France is", SamplingParams(max_tokens=6)))
     assert len(logits[True]) == 6 and all(torch.equal(a, b) for a, b in zip(logits[False], logits[True]))
+
+
+@pytest.mark.slow
+def test_an_engine_says_at_load_when_the_kernel_offers_no_huge_pages(tmp_path, monkeypatch, caplog):
+    from engine_fixtures import make_engine
+
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
+    with caplog.at_level("WARNING", logger="morphserve.engine"):
+        make_engine(max_tokens_in_paged_kv_cache=256)
+    assert [r for r in caplog.records if "stay on 4 KiB pages" in r.getMessage() and "never" in r.getMessage()]

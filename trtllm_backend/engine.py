@@ -18,6 +18,7 @@ import torch
 from plugins.int8_linear import set_head_activations
 from plugins.quant_matmul import set_int4_activations, set_int4_prefill
 
+from . import huge_pages
 from .attention import AttentionPlan, SeqSlice
 from .config import EngineConfig
 from .controller import Signals, parse_policy
@@ -60,6 +61,9 @@ class LLMEngine:
         self._eos_index = torch.tensor(self._eos_ids, dtype=torch.long)
         self.model = LlamaModel(self.store, self.max_model_len)
         self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages)
+        if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
+            log.warning("weights and KV stay on 4 KiB pages: %s (a batch-1 decode step ran ~1.1x slower so "
+                        "on the 2-core VM: trtllm_backend/huge_pages.py)", why)
         self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)

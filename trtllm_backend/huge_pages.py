@@ -38,6 +38,17 @@ def thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
 
 
+def unavailable_reason() -> str | None:
+    """Why buffers from `empty` will not be on huge pages on this machine (for a warning at load), or None."""
+    mode = thp_mode()
+    if mode in ("always", "madvise"):
+        return None
+    if mode == "unavailable":
+        return f"this kernel has no transparent huge pages ({THP_SETTING} is missing)"
+    return (f"transparent huge pages are off ({THP_SETTING}: {mode}); `echo madvise > {THP_SETTING}` on the "
+            "host turns them on")
+
+
 def _madvise_huge(addr: int, length: int) -> bool:
     global _libc
     if _libc is None:
