@@ -1,4 +1,6 @@
 """trtllm_backend.huge_pages: buffers on 2 MiB pages, layers packed into one, and the engine's weights and KV there."""
+import os
+
 import pytest
 import torch
 
@@ -25,6 +27,21 @@ def test_a_touched_buffer_lies_on_huge_pages():
     # all 8 pages, or nearly: the kernel may not find a free 2 MiB page for every one on a fragmented machine
     assert huge_pages.anon_huge_bytes() - before >= 6 * huge_pages.HUGE_PAGE
     del buf
+
+
+def test_a_dropped_buffer_gives_its_memory_back():
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    t = huge_pages.empty_tensor((8, 1 << 20), torch.float32)  # 32 MiB
+    t.fill_(1.0)
+    view = t[3]
+    assert rss() - before >= 30 << 20
+    del t
+    assert view.sum().item() == 1 << 20  # a view keeps the mapping
+    del view
+    assert rss() - before < 4 << 20
 
 
 def test_pack_copies_side_by_side_in_one_buffer():

@@ -6,27 +6,24 @@ at every 4 KiB boundary. Measured on the 2-core VM against a twin engine on 4 Ki
 (`tools.bench_engine --huge-pages-ab`, results/bench_engine_huge_pages_ab.txt): all-INT4 steps 1.12x faster at
 batch 1, 1.06-1.09x at 8-32, 1.16x at 512 cached tokens; full precision 1.03-1.11x.
 
-How: `empty` over-allocates by one page's worth of address space (never touched, so never resident), starts
-the buffer on a 2 MiB boundary and madvises the whole pages inside it before anything touches them; the tail
-past the last whole page stays on 4 KiB pages, so resident bytes are what the buffer holds, as the memory
-account counts them. A layer's tensors are packed into one such buffer (`pack`): an INT4 layer of SmolLM2 is
+How: `empty` maps fresh anonymous memory itself (from malloc a large buffer may reuse heap pages that are
+already resident on 4 KiB pages), one page's worth of address space more than it needs (never touched, so
+never resident), starts the buffer on a 2 MiB boundary and madvises the whole pages inside it before anything
+touches them; the tail past the last whole page stays on 4 KiB pages, so resident bytes are what the buffer
+holds, as the memory account counts them. The mapping goes when the last tensor on it does. A layer's tensors are packed into one such buffer (`pack`): an INT4 layer of SmolLM2 is
 2.2 MB of small tensors, none of which would fill a page alone. Where the kernel does not offer THP (another
 OS, `never` in sysfs) madvise fails and the buffer is an ordinary one.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import mmap
 from pathlib import Path
 
 import torch
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each packed tensor starts on a cache line (the kernels' vector loads)
-MADV_HUGEPAGE = 14
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-_libc = None
 
 
 def thp_mode() -> str:
@@ -49,26 +46,19 @@ def unavailable_reason() -> str | None:
             "host turns them on")
 
 
-def _madvise_huge(addr: int, length: int) -> bool:
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:
-            _libc = False
-    if not _libc:
-        return False
-    return _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
-
-
 def empty(nbytes: int) -> torch.Tensor:
     """A uint8 CPU buffer of `nbytes` whose whole 2 MiB pages are asked for as huge pages (a plain buffer below
-    one page's size, or where madvise fails)."""
-    if nbytes < HUGE_PAGE:
+    one page's size, or where the OS has no MADV_HUGEPAGE)."""
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # MAP_PRIVATE: a shared anonymous mapping is shmem, whose huge pages follow another setting (shmem_enabled)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensors on it keep the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
-    _madvise_huge(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # a kernel built without THP: ordinary pages
+        pass
     return raw[start:start + nbytes]
 
 
