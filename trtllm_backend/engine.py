@@ -62,8 +62,8 @@ class LLMEngine:
         self.model = LlamaModel(self.store, self.max_model_len)
         self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages)
         if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
-            log.warning("weights and KV stay on 4 KiB pages: %s (a batch-1 decode step ran ~1.1x slower so "
-                        "on the 2-core VM: trtllm_backend/huge_pages.py)", why)
+            log.warning("weights and KV stay on 4 KiB pages: %s (on the 2-core VM an all-INT4 batch-1 decode step "
+                        "ran 1.12x slower so: trtllm_backend/huge_pages.py)", why)
         self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
