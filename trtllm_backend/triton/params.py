@@ -123,7 +123,9 @@ PARAMS: tuple[Param, ...] = (
           "Longest prompt plus output in tokens; empty: the model's context length.", at_least(1)),
     Param("num_threads", "int?", "", "engine.num_threads", "torch intra-op threads; empty: torch's default.",
           at_least(1)),
-    Param("device", "str", "cpu", "engine.device", "Device the engine runs on.", one_of("cpu", "cuda")),
+    Param("device", "str", "cpu", "engine.device",
+          "Device the engine runs on. cuda is untested: no GPU has run it yet (the CPU is what is built and "
+          "measured).", one_of("cpu", "cuda")),
     Param("dtype", "str", "auto", "engine.dtype", "Full-precision dtype; auto: float32 on CPU, float16 on CUDA.",
           one_of("auto", "float32", "bfloat16", "float16")),
     Param("weight_dtype", "str", "float16", "engine.weight_dtype",
