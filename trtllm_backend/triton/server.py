@@ -288,20 +288,25 @@ def _die_with_parent() -> None:
 
 
 def _wait_ready(handle: ServerHandle, timeout: float) -> None:
-    url = f"http://localhost:{handle.http_port}/v2/health/ready"
+    """Until /v2/health/ready answers 200 and the metrics endpoint answers too (it can open a moment after the
+    HTTP one: a caller that scrapes at once found it refusing)."""
+    pending = [f"http://localhost:{handle.http_port}/v2/health/ready", handle.metrics_url]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not handle.alive():
             raise RuntimeError(f"tritonserver exited with code {handle.process.returncode} before it was ready"
                                + (f"; last log lines:\n{handle.log_tail()}" if handle.log_path else ""))
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            with urllib.request.urlopen(pending[0], timeout=2) as resp:
                 if resp.status == 200:
-                    return
+                    pending.pop(0)
+                    if not pending:
+                        return
+                    continue
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.25)
-    raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s")
+    raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s (waiting for {pending[0]})")
 
 
 def _rooted(path: str | Path) -> Path:
