@@ -2,7 +2,8 @@
 
 The handle stops it (asks the stubs to drain and SIGTERMs it, then SIGKILL), ends its Python backend stubs with
 it, removes the shared memory they leaked and the edited repository copy, and watches the stubs: a dead stub
-stops the whole server.
+stops the whole server. Triton's administrative APIs (shared memory, model repository, logging, trace) are closed
+behind a key by default (admin.py); the handle carries it (`admin_headers`) for callers that use them.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import admin
 from . import params as triton_params
 from . import shutdown
 from .config_pbtxt import apply_overrides, model_parameters
@@ -68,21 +70,29 @@ class ServerHandle:
     drained_but_held: bool = False  # stop() ended a drained server that an open gRPC stream kept from unloading
     stub_died: bool = False  # set by the watcher when a Python backend stub exited under a running server
     stopping: bool = False  # stop() was called: stubs exiting now is the normal unload
+    admin_key: str | None = None  # the header value the admin APIs require; None: they are open (admin.py)
+    host: str = "localhost"  # where this machine reaches the server (its HTTP/gRPC bind address, when specific)
     _watched_stubs: tuple[tuple[int, ...], int] | None = field(default=None, repr=False)  # (pids, expected)
     _log_file: object = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
+        return f"{self.host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://localhost:{self.metrics_port}/metrics"
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """Headers that open the admin APIs over HTTP and gRPC alike: pass as `headers=` to tritonclient's calls,
+        e.g. `client.load_model(name, headers=handle.admin_headers)`. Empty when they are open."""
+        return admin.headers(self.admin_key)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -236,9 +246,14 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
            grpc_port: int = 8001, metrics_port: int = 8002, params: dict[str, str] | None = None,
            backend_dir: str | Path = "build/backends", build_dir: str | Path = "build",
            build_fragments: bool = True, log_path: str | Path | None = None, ready_timeout: float = 300.0,
-           exit_timeout_s: int = 30, extra_args: list[str] | None = None, check_params: bool = True) -> ServerHandle:
+           exit_timeout_s: int = 30, extra_args: list[str] | None = None, check_params: bool = True,
+           admin_key: str | None = None, open_admin: bool | None = None, address: str | None = None) -> ServerHandle:
     """Start tritonserver and return once /v2/health/ready answers 200 (every model loaded).
-    check_params=False skips the launcher's own check, so the model's load-time check is what refuses."""
+    check_params=False skips the launcher's own check, so the model's load-time check is what refuses.
+    Admin APIs (admin.RESTRICTED) need the header admin.ADMIN_HEADER with `admin_key` (default:
+    $MORPHSERVE_ADMIN_KEY, else a new random key; the handle's admin_key / admin_headers carry it) unless
+    `open_admin` (default: $MORPHSERVE_OPEN_ADMIN). `address`: the HTTP and gRPC bind address (and so the
+    metrics one, unless extra_args name it); default Triton's, every interface."""
     repo = _rooted(model_repository).resolve()
     if not (repo / model / "config.pbtxt").exists():
         raise FileNotFoundError(f"{repo / model / 'config.pbtxt'} not found")
@@ -257,10 +272,16 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
     backends = prepare_backend_dir(install, _rooted(backend_dir))
     # NOTE: a prefix of our own, so cleaning leaked regions never touches another server's.
     shm_prefix = f"{SHM_PREFIX}{uuid.uuid4().hex[:8]}_"
+    extra_args = list(extra_args or [])
+    if open_admin is None:
+        open_admin = admin.open_from_env()
+    key = None if open_admin else admin.check_key(admin_key or admin.key_from_env() or admin.new_key())
+    bind = [f"--http-address={address}", f"--grpc-address={address}"] if address else []
     cmd = [str(install.server), f"--model-repository={repo}", f"--backend-directory={backends}",
-           f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
+           f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", *bind,
            "--allow-metrics=true", f"--exit-timeout-secs={exit_timeout_s}",
-           f"--backend-config=python,shm-region-prefix-name={shm_prefix}", *(extra_args or [])]
+           f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+           *(admin.restricted_args(key, extra_args) if key else []), *extra_args]
     log_file = open(log_path, "w") if log_path else None
     control = Path(tempfile.mkdtemp(prefix="morphserve-control-"))
     env = server_env() | {shutdown.CONTROL_DIR_ENV: str(control)}
@@ -268,7 +289,7 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
                                start_new_session=True, preexec_fn=_die_with_parent)
     handle = ServerHandle(process, http_port, grpc_port, metrics_port, model, shm_prefix,
                           Path(log_path) if log_path else None, repo_copy, exit_timeout_s, control, drain_timeout_s,
-                          _log_file=log_file)
+                          admin_key=key, host=_reach(address), _log_file=log_file)
     try:
         _wait_ready(handle, ready_timeout)
     except BaseException:
@@ -290,7 +311,7 @@ def _die_with_parent() -> None:
 def _wait_ready(handle: ServerHandle, timeout: float) -> None:
     """Until /v2/health/ready answers 200 and the metrics endpoint answers too (it can open a moment after the
     HTTP one: a caller that scrapes at once found it refusing)."""
-    pending = [f"http://localhost:{handle.http_port}/v2/health/ready", handle.metrics_url]
+    pending = [f"http://{handle.http_url}/v2/health/ready", handle.metrics_url]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not handle.alive():
@@ -307,6 +328,13 @@ def _wait_ready(handle: ServerHandle, timeout: float) -> None:
             pass
         time.sleep(0.25)
     raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s (waiting for {pending[0]})")
+
+
+def _reach(address: str | None) -> str:
+    """The host this machine reaches a server bound to `address` at."""
+    if not address or address in ("0.0.0.0", "::", "[::]", "127.0.0.1", "localhost"):
+        return "localhost"
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 def _rooted(path: str | Path) -> Path:
