@@ -91,12 +91,26 @@ def test_report_and_json(folder, quality, tmp_path):
     assert cell["policies"]["full"]["capacity_req_s"]["mean"] == pytest.approx(10 * sum(c for c, _ in CAPS.values()) / 3)
 
 
-def test_regime_map_with_two_pools(folder, quality, tmp_path):
+def test_regime_map_with_two_pools(folder, quality, tmp_path, monkeypatch):
     for seed in CAPS:
         put(folder, "conv", 1024, "full", seed, 0.2, 100, 95)
         put(folder, "conv", 1024, "balanced", seed, 0.2 + 0.01 * seed, 100, 95)
+    from tools.capacity import plots
+
+    drawn = []  # what the map is drawn from: (traffic, pool) -> balanced's ratio to full
+    real = plots.regime_map
+    monkeypatch.setattr(plots, "regime_map", lambda path, analysis, policies, *a, **k: (
+        drawn.append({cell: r["balanced"].ratio for cell, r in analysis.items()}),
+        real(path, analysis, policies, *a, **k))[1])
     write_report(folder, tmp_path / "c.json", quality, "cmd")
-    assert (folder / "regime_map.png").stat().st_size > 0
+    (ratios,) = drawn
+    assert set(ratios) == {("conv", 256), ("conv", 1024)}  # one point per pool
+    assert ratios[("conv", 256)] == ratio_interval([b for _, b in CAPS.values()], [c for c, _ in CAPS.values()])
+    assert ratios[("conv", 1024)] == ratio_interval([0.2 + 0.01 * s for s in CAPS], [0.2] * len(CAPS))
+    png = (folder / "regime_map.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    text = (folder / "report.md").read_text()
+    assert "## Regime map" in text and "![regime map](regime_map.png)" in text and "no map yet" not in text
 
 
 def test_probes_judged_by_different_slos_are_refused(folder, quality, tmp_path):

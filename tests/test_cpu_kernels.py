@@ -126,11 +126,34 @@ def test_linear_dispatch_widens_fp16_weights_for_prefill_sized_inputs():
     torch.testing.assert_close(got, F.linear(x, w.float()))
 
 
-def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs():
+def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs(monkeypatch):
+    """Which path runs, not only what comes out: the C++ kernel (a stand-in that records its calls) for
+    decode-sized fp32 inputs, torch's F.linear (MKL) for prefill-sized or non-fp32 ones, with the kernel present."""
+    calls = []
+
+    class Kernels:
+        @staticmethod
+        def skinny_linear(x, w):
+            calls.append(("kernel", tuple(x.shape), x.dtype))
+            return F.linear(x, w.to(x.dtype))
+
+    def mkl(x, w, *args):
+        calls.append(("mkl", tuple(x.shape), x.dtype))
+        return torch_linear(x, w, *args)
+
+    torch_linear = F.linear
+    monkeypatch.setattr(skinny_gemm.cpu_kernels, "ops", lambda: Kernels)
+    monkeypatch.setattr(skinny_gemm.F, "linear", mkl)
     w = torch.randn(16, 32)
-    for x in (torch.randn(skinny_gemm.MAX_ROWS + 1, 32), torch.randn(2, 32).to(torch.bfloat16)):
+    prefill, bf16, decode = torch.randn(skinny_gemm.MAX_ROWS + 1, 32), torch.randn(2, 32).to(torch.bfloat16), torch.randn(2, 32)
+    for x in (prefill, bf16):
         ww = w.to(x.dtype)
-        torch.testing.assert_close(skinny_gemm.linear(x, ww), F.linear(x, ww))
+        calls.clear()
+        torch.testing.assert_close(skinny_gemm.linear(x, ww), torch_linear(x, ww))
+        assert calls == [("mkl", tuple(x.shape), x.dtype)]
+    calls.clear()
+    skinny_gemm.linear(decode, w)
+    assert calls[0] == ("kernel", (2, 32), torch.float32)  # the contrast: a decode-sized fp32 input
 
 
 # ---- INT4 linear ----------------------------------------------------------------------------------------------

@@ -63,7 +63,9 @@ def test_forced_swaps_settle_and_stats_read_without_side_effects(layer_set):
     first, second = engine.stats(), engine.stats()
     assert first.int4_layers == 2 and first.swaps_down == 2
     assert first.swaps_timed == second.swaps_timed == 2 and first.swap_timings == second.swap_timings
-    assert len(first.swap_timings) == 2 and all(p > 0 and a >= 0 for p, a in first.swap_timings)
+    # each swap really timed: a prepare (staging the fragment) and an apply (rebinding, growing the KV pool) that
+    # both took time, within the settle above
+    assert len(first.swap_timings) == 2 and all(0 < p < 120 and 0 < a < 120 for p, a in first.swap_timings)
     assert first.timings_since(1) == [first.swap_timings[1]] and first.timings_since(2) == []
     # Generation goes on with the swapped layers.
     outs = list(engine.generate("The capital of France is", SamplingParams(max_tokens=3)))

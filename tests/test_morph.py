@@ -68,7 +68,7 @@ def test_forced_swaps_and_restores_mid_generation():
     assert engine.pool.num_blocks == base_blocks
     assert engine.morph.account.used <= engine.morph.account.budget
     timed, timings = engine.stats().swaps_timed, engine.stats().swap_timings
-    assert timed == 4 and len(timings) == 4 and all(p > 0 and a >= 0 for p, a in timings)
+    assert timed == 4 and len(timings) == 4 and all(p > 0 and a > 0 for p, a in timings)  # each one timed
 
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "float16"])

@@ -141,7 +141,11 @@ def test_sigterm_during_a_burst_answers_every_accepted_request(launcher):
     threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(streams)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # every request accepted, the long ones generating
+    # every request accepted and answered once (the long ones generating, streaming), however slow the machine
+    deadline = time.monotonic() + 120
+    while not all(s.answered.is_set() for s in streams):
+        assert time.monotonic() < deadline, "not every request was answered within 120 s"
+        time.sleep(0.05)
     code, seconds = launcher.sigterm()
     for t in threads:
         t.join(DRAIN_S + 35)

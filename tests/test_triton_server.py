@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -72,7 +73,12 @@ class GrpcStream:
     def __init__(self, url: str):
         self.client = grpcclient.InferenceServerClient(url)
         self.events: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.events.put((result, error, time.monotonic())))
+        self.answered = threading.Event()  # set at the first response (or error) the stream receives
+        self.client.start_stream(callback=self._on_event)
+
+    def _on_event(self, result, error) -> None:
+        self.events.put((result, error, time.monotonic()))
+        self.answered.set()
 
     def send(self, tensors: list, request_id: str = "") -> None:
         self.client.async_stream_infer(MODEL, tensors, request_id=request_id, enable_empty_final_response=True)
@@ -291,7 +297,7 @@ def test_cancelled_stream_frees_its_kv_blocks(triton_server):
     s.events.get(timeout=60)  # the first token: the request holds KV blocks now
     assert wait_for(lambda: metrics(triton_server)['morphserve_kv_cache_blocks{type="used"}'] > 0)
     s.close(cancel=True)
-    assert wait_for(lambda: metrics(triton_server)['morphserve_kv_cache_blocks{type="used"}'] == 0, timeout=5)
+    assert wait_for(lambda: metrics(triton_server)['morphserve_kv_cache_blocks{type="used"}'] == 0, timeout=30)
     after = metrics(triton_server)
     cancelled = 'morphserve_requests_total{status="cancelled"}'
     assert after[cancelled] == before[cancelled] + 1
@@ -304,16 +310,17 @@ def test_stop_input_cancels_the_request_with_that_id(triton_server):
         s.send(inputs(text_input="Tell me a long story.", max_tokens=1000, min_length=1000, stream=True),
                request_id="long-1")
         s.events.get(timeout=60)
-        t0 = time.monotonic()
         ack = stopper.request([tensor("stop", True)], request_id="long-1")
         assert ack.error is None
-        rest = s.collect(timeout=10)  # the stream ends (final response) soon after the stop
-        assert rest.error is None and time.monotonic() - t0 < 5
+        # the stream ends (final response) because of the stop, not because it ran out: a generous bound on the
+        # wait, and the proof is the count (1000 tokens take minutes here; a fixed few-second window flaked)
+        rest = s.collect(timeout=120)
+        assert rest.error is None
         assert sum(rest.counts) < 999
     finally:
         s.close()
         stopper.close()
-    assert wait_for(lambda: metrics(triton_server)['morphserve_kv_cache_blocks{type="used"}'] == 0, timeout=5)
+    assert wait_for(lambda: metrics(triton_server)['morphserve_kv_cache_blocks{type="used"}'] == 0, timeout=30)
 
 
 # --- bad input over the wire ------------------------------------------------------------------------------------

@@ -55,5 +55,7 @@ def test_a_server_that_never_drains_is_killed_and_says_so(tmp_path):
     handle = _held_server(control, drains=False)
     start = time.monotonic()
     code = handle.stop()
-    assert code != 0 and not handle.drained_but_held
-    assert 2.0 + 4 - 0.5 < time.monotonic() - start < 2.0 + 5  # waited the whole drain_timeout_s + 4 s
+    assert code != 0 and not handle.drained_but_held and not handle.alive()
+    # waited the whole drain_timeout_s + 4 s before the SIGKILL (a lower bound: a loaded machine only adds to
+    # it), and then did not hang (a generous upper bound)
+    assert 2.0 + 4 <= time.monotonic() - start < 2.0 + 4 + 30
