@@ -46,12 +46,32 @@ def test_the_fragment_sits_beside_the_layer_fragments(head_set):
     # its place: where the greedy would have picked it, by the same score
     head = m.data[HEAD_UNIT]
     rank, rounds = head["swap_rank"], m.data["swap_order_profile"]["rounds"]
-    assert head["rank_profile"]["lis"] >= rounds[rank]["lis"] if rank < len(rounds) else True
+    score = head["rank_profile"]
+    assert rounds and 0 <= rank <= len(rounds)
+    assert score["lis"] == pytest.approx((0.25 * score["lrs"] + 0.5 * score["mds"]) / 0.75)
+    if rank < len(rounds):  # it beats the round it goes before...
+        assert score["lis"] >= rounds[rank]["lis"]
+    if rank > 0:  # ...and not the round before that, scored again here: the first round it beats
+        assert _head_scores_at(head_set, rank - 1)["lis"] < rounds[rank - 1]["lis"]
     order = m.unit_order()
     assert order[rank] == HEAD_UNIT and [u for u in order if u != HEAD_UNIT] == m.swap_order()
 
 
 def test_head_rank_is_the_first_round_the_head_beats(monkeypatch):
+def _head_scores_at(path, k: int) -> dict:
+    """The head's scores with the first k layers of the swap order quantized, on the text the order was profiled
+    on (as engines.build_fragments.score_head_rank reads it)."""
+    from engines.build_fragments import REPO_ROOT
+    from engines.offline_model import OfflineModel, corpus_tokens
+    from trtllm_backend.tokenizer import Tokenizer
+
+    profile = Manifest(path).data["swap_order_profile"]
+    model = OfflineModel(path, max_len=profile["seq_len"])
+    corpus = REPO_ROOT.parent / "shared" / "data" / "corpus" / profile["corpus"]
+    ids = corpus_tokens(Tokenizer(model.manifest), corpus, 0.0, 0.5, profile["samples"], profile["seq_len"])
+    return layer_importance.head_scores(model, ids, model.manifest.swap_order()[:k])
+
+
     lis = {0: 0.90, 1: 0.95, 2: 0.99}  # the head's LIS against the set of the first k layers
     monkeypatch.setattr(layer_importance, "head_scores", lambda m, ids, q: {"lis": lis[len(q)]})
     rounds = [{"lis": 0.97}, {"lis": 0.96}]
