@@ -57,7 +57,6 @@ def test_the_fragment_sits_beside_the_layer_fragments(head_set):
     assert order[rank] == HEAD_UNIT and [u for u in order if u != HEAD_UNIT] == m.swap_order()
 
 
-def test_head_rank_is_the_first_round_the_head_beats(monkeypatch):
 def _head_scores_at(path, k: int) -> dict:
     """The head's scores with the first k layers of the swap order quantized, on the text the order was profiled
     on (as engines.build_fragments.score_head_rank reads it)."""
@@ -72,6 +71,7 @@ def _head_scores_at(path, k: int) -> dict:
     return layer_importance.head_scores(model, ids, model.manifest.swap_order()[:k])
 
 
+def test_head_rank_is_the_first_round_the_head_beats(monkeypatch):
     lis = {0: 0.90, 1: 0.95, 2: 0.99}  # the head's LIS against the set of the first k layers
     monkeypatch.setattr(layer_importance, "head_scores", lambda m, ids, q: {"lis": lis[len(q)]})
     rounds = [{"lis": 0.97}, {"lis": 0.96}]
