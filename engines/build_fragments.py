@@ -24,8 +24,6 @@ from trtllm_backend.manifest import FORMAT_VERSION, HEAD_UNIT, MANIFEST, Manifes
 from trtllm_backend.precision import Precision
 
 from .checkpoint import Checkpoint
-from .gguf_import import load_gguf
-from .hf_import import load_hf
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2"
@@ -231,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.if_missing and fragments_ok(out):
             print(f"[fragments] up to date: {out}")
         else:
+            # NOTE: the importers load here: a set built from other tensors (tools/gpu_check) needs no gguf package.
+            from .gguf_import import load_gguf
+            from .hf_import import load_hf
+
             ckpt = load_hf(args.hf) if args.hf else load_gguf(args.gguf)
             print(f"[fragments] building {ckpt.name} ({ckpt.config.num_layers} layers) from {ckpt.source} into {out}")
             build(ckpt, out, args.model_name)
