@@ -28,6 +28,7 @@ def head_set(tmp_path_factory):
 
 def engine_on(path, **overrides) -> LLMEngine:
     overrides.setdefault("morph_policy", "full")
+    overrides.setdefault("lm_head_precision", "dynamic")  # the head as a morph unit (int8 static: test_memory_budget.py)
     return LLMEngine(EngineConfig(fragment_dir=str(path), **overrides))
 
 

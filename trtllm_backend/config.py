@@ -9,6 +9,9 @@ import torch
 from .controller import parse_forced
 
 
+LM_HEAD_PRECISIONS = ("full", "int8", "dynamic")
+
+
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -46,7 +49,14 @@ class EngineConfig:
     # the CPU runs the VNNI kernel). Process-wide.
     lm_head_activations: str = "auto"
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
-    memory_budget_bytes: int | None = None  # default: full-precision model + base KV pool + one staging fragment
+    # Bound on everything resident (weights, fragments being staged, KV), whichever policy runs. Default: the
+    # full-precision model plus max_tokens_in_paged_kv_cache tokens of KV. Every byte a policy does not spend on
+    # weights is KV, except a dynamic policy's staging reserve, which comes out of the budget (not on top of it).
+    memory_budget_bytes: int | None = None
+    # The tied embedding / LM head: full; int8 (its INT8 fragment bound at load whatever the policy: quality-neutral,
+    # results/quality/quality.json, and its freed bytes are KV); or dynamic (a morph unit swapped like a layer: a
+    # dynamic policy then keeps room to stage the INT8 table, ~13x an INT4 layer's).
+    lm_head_precision: str = "full"
     morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
     # The deployment's TPOT SLO in seconds (0: none). A dynamic policy then also morphs when decode is slow with
     # requests waiting (controller.TPOT_PRESSURE_SHARE of it), where INT4 was measured faster at load. The
@@ -93,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"int4_prefill must be auto, decode, float32 or bfloat16, got {self.int4_prefill!r}")
         if self.lm_head_activations not in ("auto", "int8", "float32"):
             raise ValueError(f"lm_head_activations must be auto, int8 or float32, got {self.lm_head_activations!r}")
+        if self.lm_head_precision not in LM_HEAD_PRECISIONS:
+            raise ValueError(f"lm_head_precision must be one of {', '.join(LM_HEAD_PRECISIONS)}, got {self.lm_head_precision!r}")
         if self.int4_activations not in ("int8", "float32"):
             raise ValueError(f"int4_activations must be int8 or float32, got {self.int4_activations!r}")
         for name in ("tpot_slo_s", "ttft_slo_s"):

@@ -24,6 +24,7 @@ from .config import EngineConfig
 from .controller import Signals, parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
+from .head import HEAD_DYNAMIC, head_mode
 from .invariants import BlockChecker, binding_violations, head_violations, layer_bytes, memory_violations
 from .kv_cache import KVPool
 from .manifest import Manifest
@@ -64,7 +65,6 @@ class LLMEngine:
         if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
             log.warning("weights and KV stay on 4 KiB pages: %s (on the 2-core VM an all-INT4 batch-1 decode step "
                         "ran 1.12x slower so: trtllm_backend/huge_pages.py)", why)
-        self.pool.add_segment(config.base_kv_blocks)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
@@ -86,11 +86,14 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
-        # The policy counts units: the layers, and the tied embedding / LM head where the set has its INT8 fragment.
-        units = mc.num_layers + (1 if self.manifest.head_swappable() else 0)
+        # The policy counts units: the layers, and the tied embedding / LM head where it morphs too.
+        head = head_mode(config.lm_head_precision, self.manifest)
+        units = mc.num_layers + (1 if head == HEAD_DYNAMIC else 0)
         policy = parse_policy(config.morph_policy, units, config.morph_overrides, config.tpot_slo_s, config.ttft_slo_s)
+        # NOTE: the manager allocates the KV pool: whatever the budget leaves once the policy's weights are bound.
         self.morph = MorphManager(policy, manifest=self.manifest, store=self.store, slots=self.model.slots, pool=self.pool,
                                   shared_nbytes=self.model.shared_nbytes, counters=self.counters, head=self.model.head,
+                                  head_mode=head, base_kv_blocks=config.base_kv_blocks,
                                   budget_bytes=config.memory_budget_bytes, forced=config.forced_morph_actions())
         self._publish_stats()
 
@@ -200,7 +203,7 @@ class LLMEngine:
             raise InvalidRequest(
                 "max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceeds the context of {self.max_model_len}"
             )
-        capacity = self.config.base_kv_blocks * self.config.block_size
+        capacity = self.pool.segments[0].num_blocks * self.config.block_size  # the pool never shrinks below it
         if len(ids) > capacity:
             raise InvalidRequest("prompt", f"{len(ids)} tokens do not fit the KV cache ({capacity} tokens)")
         if len(ids) + params.max_tokens > capacity:

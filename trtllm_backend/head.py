@@ -11,7 +11,19 @@ import torch.nn.functional as F
 
 from plugins import skinny_gemm
 
+from .errors import FragmentError
 from .precision import Precision
+
+# The values of lm_head_precision (EngineConfig.lm_head_precision says what each means).
+HEAD_INT8, HEAD_FULL, HEAD_DYNAMIC = "int8", "full", "dynamic"
+
+
+def head_mode(setting: str, manifest) -> str:
+    """lm_head_precision checked against the fragment set: int8 and dynamic need its tied INT8 table."""
+    if setting != HEAD_FULL and not manifest.head_swappable():
+        raise FragmentError(f"lm_head_precision={setting}: the fragment set in {manifest.dir} has no INT8 table for a tied "
+                            "embedding / LM head (python -m engines.build_fragments --lm-head-int8 builds it)")
+    return setting
 
 
 class DenseTable:

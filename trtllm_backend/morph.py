@@ -7,8 +7,14 @@ of the running requests; every state change happens inside that call. Reading an
 happens on a background thread while the engine keeps stepping; only the rebinding (and the KV segment
 change it pays for) happens on the engine thread.
 
-The units swapped are the decoder layers (to INT4) and, where the fragment set has its INT8 fragment, the tied
-embedding / LM head table (to INT8), in one order (Manifest.unit_order): the controller's counts are units.
+The units swapped are the decoder layers (to INT4) and, with lm_head_precision=dynamic, the tied embedding / LM
+head table (to INT8), in one order (Manifest.unit_order): the controller's counts are units. Otherwise the head
+is bound at load to the precision it is configured with, like a static policy's INT4 layers.
+
+Memory: one budget bounds everything resident, whichever policy runs. The manager binds the policy's weights at
+load, then allocates the KV pool from what the budget leaves: all of it for a static policy, all but a staging
+reserve (room to stage the largest unit's quantized fragment) for a dynamic one. The budget defaults to the
+full-precision model plus the configured KV pool, so every policy given one configuration holds the same memory.
 
 Swap down, one unit at a time: stage the quantized fragment (in the reserve) -> rebind the slot -> drop the
 full fragment -> the freed bytes become a new KV segment of whole blocks.
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 from .controller import Action, Controller, MorphPolicy, Signals
 from .errors import FragmentError
 from .fragments import FragmentStore
-from .head import HeadSlot
+from .head import HEAD_DYNAMIC, HEAD_FULL, HEAD_INT8, HeadSlot
 from .kv_cache import KVPool, KVSegment
 from .layers import LayerSlot, LayerWeights
 from .manifest import HEAD_UNIT, Manifest
@@ -95,8 +101,10 @@ class MorphManager:
     pool: KVPool
     shared_nbytes: int  # embedding, final norm, LM head as loaded (the head's part follows `head` when it swaps)
     counters: EngineStats  # the engine's live counters: swaps, KV grows and shrinks, failures
-    head: HeadSlot | None = None  # the tied embedding / LM head; a unit when the set has its INT8 fragment
-    budget_bytes: int | None = None
+    head: HeadSlot | None = None  # the tied embedding / LM head
+    head_mode: str = HEAD_FULL  # lm_head_precision resolved (head.head_mode): int8 and dynamic need the INT8 table
+    base_kv_blocks: int = 0  # the KV pool the default budget holds beside the full-precision model
+    budget_bytes: int | None = None  # default: the full-precision model + base_kv_blocks
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (controller.parse_forced)
     swapped: list[_Swapped] = field(default_factory=list)  # a stack: restores pop from the end
     failed: set[Unit] = field(default_factory=set)
@@ -112,30 +120,30 @@ class MorphManager:
         self.swap_log = SwapLog()
         self.quantizable = all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers))
         int4_bytes = [m.fragment(i, Precision.INT4)["bytes"] for i in range(m.num_layers)] if self.quantizable else []
-        self.head_unit = self.quantizable and self.head is not None and self.head.swappable and m.head_swappable()
+        rebindable_head = self.head is not None and self.head.swappable
+        if self.head_mode != HEAD_FULL and not (rebindable_head and m.head_swappable()):
+            raise FragmentError(f"lm_head_precision={self.head_mode}: the model has no tied INT8 embedding / LM head table")
+        self.head_unit = self.quantizable and self.head_mode == HEAD_DYNAMIC
         self.order: list[Unit] = m.unit_order() if self.head_unit else m.swap_order()
         # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
         self.down_bytes: dict[Unit, int] = dict(enumerate(int4_bytes))
         if self.head_unit:
             self.down_bytes[HEAD_UNIT] = m.head_fragment(Precision.INT8)["bytes"]
-        self.reserve = max(self.down_bytes.values(), default=0)
+        # NOTE: only a policy that swaps while serving (or forced actions: benchmarks, tests) stages anything; a
+        # static one spends the reserve on KV.
+        swaps_live = (self.policy.dynamic or bool(self.forced)) and self.quantizable
+        self.reserve = max(self.down_bytes.values(), default=0) if swaps_live else 0
         # Resident bytes of each full-precision unit, known exactly before anything is swapped.
         self.full_bytes: dict[Unit, int] = {slot.index: slot.weights.nbytes for slot in self.slots}
-        self._fixed_shared = self.shared_nbytes  # the shared bytes that never swap (the norm, an untied head)
+        # the shared bytes that never swap (the norm, an untied head); a tied table's bytes follow its binding
+        self._fixed_shared = self.shared_nbytes - (self.head.table.nbytes if rebindable_head else 0)
         if self.head_unit:
             self.full_bytes[HEAD_UNIT] = self.head.table.nbytes
-            self._fixed_shared -= self.head.table.nbytes
         # KV blocks one swapped layer buys (what the controller sizes a swap with; the head buys more).
         self.blocks_per_layer = max(0, (self.full_bytes[0] - (int4_bytes[0] if int4_bytes else 0)) // self.pool.bytes_per_block)
         self.account = MemoryAccount(budget=0, reserve=self.reserve, shared=self.shared_nbytes)
         self._refresh()
-        default_budget = self.account.used + self.reserve
-        self.account.budget = self.budget_bytes or default_budget
-        if self.account.budget < default_budget:
-            raise ValueError(
-                f"memory_budget_bytes: {self.account.budget} is below the full-precision model plus the base KV pool "
-                f"plus one staging fragment ({default_budget} bytes)"
-            )
+        self.account.budget = self._budget(self.account.used)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
         # full / quantized decode time of each kind of unit by batch (the slowness pressures' evidence), measured here
@@ -146,10 +154,9 @@ class MorphManager:
             if self.policy.static_int4_layers:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
             log.warning("no INT4 fragments in %s: morphing is off, serving at full precision", m.dir)
-        # A budget above the default is KV memory from the start.
-        self._grow_kv()
-        for _ in range(self.policy.static_int4_layers):
-            self._swap_down_now()
+        self._bind_at_load()
+        if self._grow_kv() is None:  # never expected: _budget checked the room for a block
+            raise AssertionError(f"no KV block fits the budget ({self.account})")
 
     # ---- state the engine reads (engine thread) --------------------------------------------------------
     @property
@@ -164,7 +171,8 @@ class MorphManager:
 
     @property
     def head_int8(self) -> bool:
-        return any(s.unit == HEAD_UNIT for s in self.swapped)
+        """The head should be bound to its INT8 table: configured so, or swapped down as a unit."""
+        return self.head_mode == HEAD_INT8 or any(s.unit == HEAD_UNIT for s in self.swapped)
 
     @property
     def swapped_layers(self) -> list[int]:
@@ -239,9 +247,34 @@ class MorphManager:
                  {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()})
 
     # ---- accounting -----------------------------------------------------------------------------
+    def _budget(self, full_model: int) -> int:
+        """The budget, given or by default the full-precision model (`full_model` bytes, all bound now) plus the
+        base KV pool; refused when it cannot hold that model, the staging reserve and one KV block."""
+        least = full_model + self.reserve + self.pool.bytes_per_block
+        budget = self.budget_bytes or full_model + self.base_kv_blocks * self.pool.bytes_per_block
+        if budget < least:
+            what = (f"memory_budget_bytes: {budget}" if self.budget_bytes else
+                    f"max_tokens_in_paged_kv_cache: {self.base_kv_blocks} blocks ({budget} bytes with the model)")
+            reserve = f" plus the {self.reserve}-byte staging reserve of policy {self.policy.name}" if self.reserve else ""
+            raise ValueError(f"{what} is below the full-precision model ({full_model} bytes){reserve} plus one KV block "
+                             f"({self.pool.bytes_per_block} bytes): {least} bytes at least")
+        return budget
+
+    def _bind_at_load(self) -> None:
+        """Bind the configured INT8 head and a static policy's INT4 layers before any KV exists. NOTE: each
+        quantized form is read while its full form is still bound: the load peaks one fragment above the budget,
+        which bounds what is resident from then on (and checks every allocation against it)."""
+        if self.head_mode == HEAD_INT8:
+            self.head.bind(self.store.load_head(Precision.INT8), Precision.INT8)
+        for unit in self._candidates()[:self.policy.static_int4_layers]:
+            self._bind(unit, self._load(unit, down=True), down=True)
+            self.swapped.append(_Swapped(unit, None))
+            self.counters.swaps_down += 1
+        self._refresh()
+
     def _refresh(self) -> None:
         a = self.account
-        a.shared = self._fixed_shared + (self.head.table.nbytes if self.head_unit else 0)
+        a.shared = self._fixed_shared + (self.head.table.nbytes if self.head is not None and self.head.swappable else 0)
         a.layers = sum(s.weights.nbytes for s in self.slots)
         a.kv = self.pool.nbytes
         a.staged = self.job.staged_bytes if self.job else 0
@@ -326,11 +359,14 @@ class MorphManager:
             return
         self._submit("down", unit, staged)
 
-    def _submit(self, kind: str, unit: Unit, staged: int) -> None:
+    def _load(self, unit: Unit, down: bool):
+        """A unit's swapped-down or full form, read from its fragment (any thread)."""
         if unit == HEAD_UNIT:
-            fut = self.executor.submit(self.store.load_head, Precision.INT8 if kind == "down" else Precision.FULL)
-        else:
-            fut = self.executor.submit(self.store.load_layer, unit, Precision.INT4 if kind == "down" else Precision.FULL)
+            return self.store.load_head(Precision.INT8 if down else Precision.FULL)
+        return self.store.load_layer(unit, Precision.INT4 if down else Precision.FULL)
+
+    def _submit(self, kind: str, unit: Unit, staged: int) -> None:
+        fut = self.executor.submit(self._load, unit, kind == "down")
         self.job = _Job(kind, unit, fut, staged, time.monotonic())
         self._refresh()
 
@@ -343,14 +379,6 @@ class MorphManager:
             precision = Precision.INT4 if down else Precision.FULL
             self.slots[unit].bind(weights, precision)
         return precision
-
-    def _swap_down_now(self) -> None:
-        """Synchronous swap (static policies at load)."""
-        self.pending_down = 1
-        self._start_down()
-        if self.job is not None:
-            self.job.future.result()
-            self._finish_job()
 
     def _finish_job(self) -> None:
         job, self.job = self.job, None

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
+from ..config import LM_HEAD_PRECISIONS
 from ..controller import POLICY_NAMES, is_policy_spec
 
 
@@ -170,8 +171,15 @@ PARAMS: tuple[Param, ...] = (
           "the measured cost of a token (0: chunks fill max_num_tokens).",
           Check(lambda v: 0 <= v <= 1, "in [0.0, 1.0]")),
     Param("memory_budget_bytes", "int?", "", "engine.memory_budget_bytes",
-          "Bound on resident weights + KV blocks; empty: full-precision model + base KV pool + one staging fragment.",
+          "Bound on everything resident (weights, fragments being staged, KV blocks), whichever policy runs; every byte "
+          "a policy does not spend on weights is KV, a dynamic policy's staging reserve (one INT4 layer) included in "
+          "it. Empty: the full-precision model + max_tokens_in_paged_kv_cache tokens of KV.",
           at_least(1)),
+    Param("lm_head_precision", "str", "full", "engine.lm_head_precision",
+          "The tied embedding / LM head: full; int8 (its INT8 table bound at load whatever the policy: quality-neutral "
+          "(-0.05% perplexity), and the bytes it frees are KV); or dynamic (swapped as a morph unit: a dynamic "
+          "policy then keeps ~13x more staging room).",
+          one_of(*LM_HEAD_PRECISIONS)),
     Param("huge_pages", "bool", "true", "engine.huge_pages",
           "Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer "
           "TLB misses as a decode step streams the weights (all-INT4 batch-1 step ~1.1x on the 2-core VM).",
