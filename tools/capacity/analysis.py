@@ -47,6 +47,11 @@ def _during(samples: list[dict], key: str) -> float:
     return vals[-1] - vals[0] if vals else math.nan
 
 
+def _first(samples: list[dict], key: str) -> float:
+    """A gauge's value at the probe's start (the server idle, a dynamic policy restored)."""
+    return next((float(x[key]) for x in samples if key in x), math.nan)
+
+
 def misses(records, slo: rm.Slo) -> dict[str, int]:
     """Why requests missed: the TTFT SLO only, the TPOT SLO only, both, or not completed at all."""
     out = {"ttft": 0, "tpot": 0, "both": 0, "incomplete": 0}
@@ -64,6 +69,7 @@ def misses(records, slo: rm.Slo) -> dict[str, int]:
 def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
     """What one probe's run shows: attainment, latencies, the decode batch, KV use, INT4 layers, quality."""
     probe, res = store.load_result(path)
+    block_size = int(probe.get("server_params", {}).get("block_size", 16))
     slo = rm.Slo(probe["slo"]["ttft_s"], probe["slo"]["tpot_s"])
     s = rm.summarize(res.records, slo)
     busy = [x for x in res.samples if x.get("active")]
@@ -85,6 +91,10 @@ def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
         "waiting_mean": float(col("waiting").mean()) if busy and col("waiting").size else math.nan,
         "kv_usage_mean": float(usage.mean()) if usage.size else math.nan,
         "kv_peak_x": float(blocks.max() / cap) if blocks.size and cap else math.nan,
+        # Equal memory: the budget every policy of a cell holds, and the KV it turned into (tokens).
+        "memory_budget_bytes": _first(res.samples, "memory_budget"),
+        "kv_tokens_start": _first(res.samples, "kv_blocks") * block_size,
+        "kv_tokens_peak": max((x["kv_blocks"] for x in res.samples if "kv_blocks" in x), default=math.nan) * block_size,
         "preemptions": _during(res.samples, "preemptions"),
         "layer_swaps_down": _during(res.samples, "swaps_down"),
         "int4_layers_mean": s.mean_int4_layers, "prompt_token_share": prompt / (prompt + out) if ok else math.nan,

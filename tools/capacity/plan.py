@@ -25,17 +25,23 @@ from tools.replay.settings import DEFAULT_PARAMS
 BASE_PARAMS = {**DEFAULT_PARAMS, "max_queue_size": "1024"}
 
 
+# Policy variant names that set a server parameter of their own rather than a controller threshold.
+VARIANT_PARAMS = {"lm_head": "lm_head_precision"}
+
+
 def policy_params(policy: str) -> tuple[str, dict[str, str]]:
     """`balanced+up_quiet_s=10+down_persist=1` -> ("balanced", {"morph_up_quiet_s": "10", ...}): a policy with
     its controller thresholds overridden (the server's morph_<name> parameters), measured as a policy of its own
-    so a threshold change is compared with the stock policy on the same seeds, back to back."""
+    so a threshold change is compared with the stock policy on the same seeds, back to back. `+lm_head=full`
+    sets the head's precision (VARIANT_PARAMS): `full+lm_head=full` is every weight at full precision, where
+    `full` binds the quality-neutral INT8 head like every policy by default."""
     base, *overrides = policy.split("+")
     params = {}
     for o in overrides:
         name, sep, value = o.partition("=")
         if not sep or not name or not value:
             raise ValueError(f"policy {policy!r}: expected POLICY+NAME=VALUE[+NAME=VALUE], got {o!r}")
-        params[f"morph_{name}"] = value
+        params[VARIANT_PARAMS.get(name, f"morph_{name}")] = value
     return base, params
 
 

@@ -73,7 +73,8 @@ def policy_row(r: PolicyResult, ref: PolicyResult | None = None) -> str:
     return (f"| {r.policy} | {r.capacity.fmt() if r.capacity else 'none passed'} | {r.req_s.fmt() if r.req_s else 'n/a'} "
             f"| {r.ratio.fmt() if r.ratio else 'n/a'} | {_seed_ratios(r, ref)} | {seeds} "
             f"| {_f(_mean(n, 'decode_batch_mean'), '{:.1f}')} / {_f(_mean(n, 'decode_batch_max'), '{:.0f}')} "
-            f"| {_f(_mean(n, 'kv_usage_mean'), '{:.0%}')} | {_f(_mean(n, 'kv_peak_x'), 'x{:.1f}')} "
+            f"| {_f(_mean(n, 'kv_usage_mean'), '{:.0%}')} | {_f(_mean(n, 'kv_tokens_start'), '{:.0f}')} / "
+            f"{_f(_mean(n, 'kv_tokens_peak'), '{:.0f}')} "
             f"| {_f(_mean(n, 'int4_layers_mean'), '{:.1f}')} | {_f(_mean(n, 'prompt_token_share'), '{:.0%}')} "
             f"| {_f(_mean(n, 'ttft_p95'))} / {_f(_mean(n, 'tpot_p95'), '{:.3f}')} | {sens} "
             f"| {_pct(r.quality_loss)} |")
@@ -81,9 +82,19 @@ def policy_row(r: PolicyResult, ref: PolicyResult | None = None) -> str:
 
 HEADER = ("| policy | capacity (rate scale, mean [95% CI]) | req/s at capacity | ratio to full [95% CI] | ratio per seed "
           "| per seed: capacity (lowest failing) | at capacity: decode batch mean / max | KV usage (busy) "
-          "| peak KV (x full) | INT4 layers / token | prompt share of tokens | P95 TTFT (s) / P95 TPOT (s) "
+          "| KV tokens at start / peak | INT4 layers / token | prompt share of tokens | P95 TTFT (s) / P95 TPOT (s) "
           f"| attainment at SLO x{SENSITIVITY[0]:g} / x{SENSITIVITY[1]:g} | quality loss (ppl, mean [CI]) |\n"
           + "|---" * 14 + "|")
+
+
+def _cell_budget(cell: dict[str, PolicyResult]) -> int | None:
+    """The memory budget every policy of a cell held (from the servers' gauges); None where the probes predate
+    the gauge. Refuses a cell whose policies held different budgets: it would not be a comparison."""
+    budgets = {int(n["memory_budget_bytes"]) for r in cell.values() for n in r.at_capacity
+               if not math.isnan(n.get("memory_budget_bytes", math.nan))}
+    if len(budgets) > 1:
+        raise ValueError(f"policies of one cell held different memory budgets: {sorted(budgets)}")
+    return budgets.pop() if budgets else None
 
 
 def meets_ratio_target(ratio: Interval) -> bool:
@@ -198,7 +209,9 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
     cells = []
     for (traffic, pool), cell in sorted(result.items()):
         ordered = {p: cell[p] for p in policies if p in cell}
-        lines += [f"## {traffic}, KV pool {pool} tokens", ""]
+        budget = _cell_budget(cell)
+        lines += [f"## {traffic}, memory of the full-precision model + {pool} KV tokens"
+                  + (f" ({budget / 2**20:.1f} MiB, every policy)" if budget else ""), ""]
         example = next((p for p in probes if p["traffic"] == traffic and p["pool"] == pool), None)
         if example:
             lines += [f"Traffic: {example['traffic_described']}.", ""]
@@ -224,8 +237,10 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
                 replay_plots.timeline(out / png, f"{policy} at x{s.capacity:g} (seed {s.seed})", res,
                                       rm.Slo(probe["slo"]["ttft_s"], probe["slo"]["tpot_s"]), probe["window_s"])
                 lines += [f"![{policy} timeline]({png})", ""]
-        cells.append({"traffic": traffic, "pool_tokens": pool,
-                      "policies": {p: r.as_dict() for p, r in ordered.items()},
+        cells.append({"traffic": traffic, "pool_tokens": pool, "memory_budget_bytes": budget,
+                      "policies": {p: {**r.as_dict(), "kv_tokens_start": _mean(r.at_capacity, "kv_tokens_start"),
+                                       "kv_tokens_peak": _mean(r.at_capacity, "kv_tokens_peak")}
+                                   for p, r in ordered.items()},
                       **({"overload": over_data} if over_data else {})})
     pools = {pool for _, pool in result}
     if len(pools) > 1:

@@ -18,6 +18,8 @@ GAUGES = {
     "kv_capacity": ("morphserve_kv_capacity_blocks", {}),
     "preemptions": ("morphserve_preemptions_total", {}),
     "swaps_down": ("morphserve_layer_swaps_total", {"direction": "down"}),
+    "memory_budget": ("morphserve_memory_bytes", {"type": "budget"}),
+    "memory_used": ("morphserve_memory_bytes", {"type": "used"}),
 }
 
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
