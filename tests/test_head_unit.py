@@ -86,7 +86,7 @@ def test_head_rank_is_the_first_round_the_head_beats(monkeypatch):
 def test_swap_frees_the_table_as_kv_blocks_and_restores(head_set):
     prompts = PROMPTS[:2]
     base = engine_on(head_set, weight_dtype="float16")
-    engine = engine_on(head_set, weight_dtype="float16", max_tokens_in_paged_kv_cache=512, force_morph="down:1@4,up:1@16")
+    engine = engine_on(head_set, weight_dtype="float16", max_tokens_in_paged_kv_cache=1024, force_morph="down:1@4,up:1@16")
     m, model = engine.morph, engine.model
     assert m.order[m.order.index(HEAD_UNIT)] == HEAD_UNIT and m.reserve >= m.down_bytes[HEAD_UNIT]
     base_blocks, r0, full = engine.pool.num_blocks, m.account.available, model.head.nbytes

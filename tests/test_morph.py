@@ -47,7 +47,8 @@ def test_forced_swaps_and_restores_mid_generation():
     prompts = PROMPTS[:3]
     baseline = collect(make_engine(morph_policy="full"), prompts, 40)
     # Small base pool so the requests spill into the segments the swaps add (the restore must migrate them).
-    engine = make_engine(morph_policy="full", block_size=8, max_tokens_in_paged_kv_cache=96, force_morph="down:2@4,up:2@20")
+    # (the staging reserve, ~48 fp32 tokens, comes out of it)
+    engine = make_engine(morph_policy="full", block_size=8, max_tokens_in_paged_kv_cache=144, force_morph="down:2@4,up:2@20")
     base_blocks = engine.pool.num_blocks
     morphed = collect(engine, prompts, 40)
     settle(engine)
@@ -215,6 +216,14 @@ def test_queueing_pressure_swaps_while_requests_wait_on_compute(monkeypatch, lay
     assert run(True).swaps_down >= 1
 
 
+def pool_for_base(blocks: int, fragments) -> int:
+    """max_tokens_in_paged_kv_cache (block size 8) that leaves a dynamic policy `blocks` base blocks once its
+    staging reserve is taken out of the pool."""
+    probe = make_engine(morph_policy="balanced", block_size=8, max_tokens_in_paged_kv_cache=1024, fragment_dir=str(fragments))
+    bpb = probe.pool.bytes_per_block
+    return 8 * (blocks + -(-probe.morph.reserve // bpb))
+
+
 def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):
     # Two forced swaps add two KV segments; two requests fill the base pool and spill into the first. With nothing
     # waiting the controller restores two units at once (quiet 0 s): the top one's empty segment goes, but the
@@ -222,7 +231,8 @@ def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):
     # is the last resort for new blocks) and requests wait for KV: the restore must give way. Before, the
     # manager waited on the drain, which a steady load never lets finish, and so could not swap down either: at
     # pool 256 the pool stayed at 92 blocks through a 100 s burst with 30-57 requests waiting.
-    engine = make_engine(morph_policy="balanced", block_size=8, max_tokens_in_paged_kv_cache=64, force_morph="down:2@0",
+    engine = make_engine(morph_policy="balanced", block_size=8, max_tokens_in_paged_kv_cache=pool_for_base(8, layer_set),
+                         force_morph="down:2@0",
                          morph_overrides={"up_quiet_s": 0.0, "down_persist": 1000, "down_queue_wait_s": 0.0,
                                           "layers_per_action": 2},
                          fragment_dir=str(layer_set))
