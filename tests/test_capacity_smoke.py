@@ -43,6 +43,6 @@ def test_probe_rerun_and_report(tmp_path):
     second = capacity(out)  # resumed: the stored probe is read, no server starts
     assert "(stored)" in second.stdout and "server ready" not in second.stdout
     report = (out / "report.md").read_text()
-    assert "conv-thin0.005, KV pool 256 tokens" in report and "| full |" in report
+    assert "conv-thin0.005, memory of the full-precision model + 256 KV tokens" in report and "| full |" in report
     assert str(ROOT) not in report  # no machine paths
     assert json.loads((out / "capacity.json").read_text())["cells"][0]["traffic"] == "conv-thin0.005"

@@ -94,7 +94,9 @@ def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
     assert after, "the server did not return to full precision after the burst"
     assert after['morphserve_layer_swaps_total{direction="up"}'] == after['morphserve_layer_swaps_total{direction="down"}']
     assert after['morphserve_kv_cache_blocks{type="used"}'] == 0
-    assert after['morphserve_kv_cache_blocks{type="max"}'] == after["morphserve_kv_capacity_blocks"]
+    # back to the configured pool less the staging reserve a dynamic policy keeps (one INT4 layer: 6.04 blocks)
+    assert after["morphserve_kv_capacity_blocks"] - 7 <= after['morphserve_kv_cache_blocks{type="max"}'] \
+        < after["morphserve_kv_capacity_blocks"]
     assert after['morphserve_kv_resizes_total{direction="shrink"}'] == after['morphserve_kv_resizes_total{direction="grow"}']
     # Every request counted once, as a success, with all its tokens (a preempted one is recomputed, not recounted).
     done = after['morphserve_requests_total{status="success"}'] - before.get('morphserve_requests_total{status="success"}', 0)

@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .controller import parse_forced
-
-
-LM_HEAD_PRECISIONS = ("full", "int8", "dynamic")
+from .precision import LM_HEAD_PRECISIONS
 
 
 def _positive(name: str, value) -> None:

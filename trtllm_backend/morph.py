@@ -155,7 +155,7 @@ class MorphManager:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
             log.warning("no INT4 fragments in %s: morphing is off, serving at full precision", m.dir)
         self._bind_at_load()
-        if self._grow_kv() is None:  # never expected: _budget checked the room for a block
+        if self._grow_kv(resize=False) is None:  # never expected: _budget checked the room for a block
             raise AssertionError(f"no KV block fits the budget ({self.account})")
 
     # ---- state the engine reads (engine thread) --------------------------------------------------------
@@ -281,12 +281,13 @@ class MorphManager:
         if a.budget and a.used > a.budget:  # never expected: every allocation is checked first
             raise AssertionError(f"memory account {a.used} exceeds the budget {a.budget}")
 
-    def _grow_kv(self) -> KVSegment | None:
+    def _grow_kv(self, resize: bool = True) -> KVSegment | None:
+        """What the budget leaves, as a new KV segment; counted as a resize unless it is the pool made at load."""
         n = self.pool.blocks_for_bytes(self.account.available)
         if n <= 0:
             return None
         seg = self.pool.add_segment(n)
-        self.counters.kv_grows += 1
+        self.counters.kv_grows += resize
         self._refresh()
         return seg
 

@@ -14,6 +14,10 @@ class Precision(StrEnum):
     INT8 = "int8"  # per-channel RTN, a middle rung built beside INT4
 
 
+# EngineConfig.lm_head_precision's values (a tied embedding / LM head: its table bound full, INT8 at load, or morphed).
+LM_HEAD_PRECISIONS = ("full", "int8", "dynamic")
+
+
 def parse_precision(name: str) -> Precision:
     try:
         return Precision(name)

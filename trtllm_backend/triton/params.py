@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-from ..config import LM_HEAD_PRECISIONS
 from ..controller import POLICY_NAMES, is_policy_spec
+from ..precision import LM_HEAD_PRECISIONS
 
 
 class ParamError(ValueError):
