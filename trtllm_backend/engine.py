@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .controller import Signals, parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
-from .head import HEAD_DYNAMIC, head_mode
+from .head import head_mode
 from .invariants import BlockChecker, binding_violations, head_violations, layer_bytes, memory_violations
 from .kv_cache import KVPool
 from .manifest import Manifest
@@ -32,6 +32,7 @@ from .model import LlamaModel
 from .morph import MorphManager
 from .native_memory import pin_mmap_threshold
 from .outputs import EngineStats, RequestOutput, RequestTimings
+from .precision import HEAD_DYNAMIC
 from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler

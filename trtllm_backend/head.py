@@ -12,10 +12,7 @@ import torch.nn.functional as F
 from plugins import skinny_gemm
 
 from .errors import FragmentError
-from .precision import Precision
-
-# The values of lm_head_precision (EngineConfig.lm_head_precision says what each means).
-HEAD_INT8, HEAD_FULL, HEAD_DYNAMIC = "int8", "full", "dynamic"
+from .precision import HEAD_FULL, Precision
 
 
 def head_mode(setting: str, manifest) -> str:

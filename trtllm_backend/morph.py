@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from .controller import Action, Controller, MorphPolicy, Signals
 from .errors import FragmentError
 from .fragments import FragmentStore
-from .head import HEAD_DYNAMIC, HEAD_FULL, HEAD_INT8, HeadSlot
+from .head import HeadSlot
 from .kv_cache import KVPool, KVSegment
 from .layers import LayerSlot, LayerWeights
 from .manifest import HEAD_UNIT, Manifest
 from .memory import MemoryAccount
 from .outputs import EngineStats
-from .precision import Precision
+from .precision import HEAD_DYNAMIC, HEAD_FULL, HEAD_INT8, Precision
 
 log = logging.getLogger("morphserve.morph")
 
@@ -120,9 +120,7 @@ class MorphManager:
         self.swap_log = SwapLog()
         self.quantizable = all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers))
         int4_bytes = [m.fragment(i, Precision.INT4)["bytes"] for i in range(m.num_layers)] if self.quantizable else []
-        rebindable_head = self.head is not None and self.head.swappable
-        if self.head_mode != HEAD_FULL and not (rebindable_head and m.head_swappable()):
-            raise FragmentError(f"lm_head_precision={self.head_mode}: the model has no tied INT8 embedding / LM head table")
+        rebindable_head = self.head is not None and self.head.swappable  # tied (head.head_mode checked the set)
         self.head_unit = self.quantizable and self.head_mode == HEAD_DYNAMIC
         self.order: list[Unit] = m.unit_order() if self.head_unit else m.swap_order()
         # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.

@@ -15,7 +15,8 @@ class Precision(StrEnum):
 
 
 # EngineConfig.lm_head_precision's values (a tied embedding / LM head: its table bound full, INT8 at load, or morphed).
-LM_HEAD_PRECISIONS = ("full", "int8", "dynamic")
+HEAD_FULL, HEAD_INT8, HEAD_DYNAMIC = "full", "int8", "dynamic"
+LM_HEAD_PRECISIONS = (HEAD_FULL, HEAD_INT8, HEAD_DYNAMIC)
 
 
 def parse_precision(name: str) -> Precision:
