@@ -87,13 +87,16 @@ HEADER = ("| policy | capacity (rate scale, mean [95% CI]) | req/s at capacity |
           + "|---" * 14 + "|")
 
 
-def _cell_budget(cell: dict[str, PolicyResult]) -> int | None:
-    """The memory budget every policy of a cell held (from the servers' gauges); None where the probes predate
-    the gauge. Refuses a cell whose policies held different budgets: it would not be a comparison."""
-    budgets = {int(n["memory_budget_bytes"]) for r in cell.values() for n in r.at_capacity
-               if not math.isnan(n.get("memory_budget_bytes", math.nan))}
+def _cell_budget(root: Path, traffic: str, pool: int) -> int | None:
+    """The memory budget every policy of a cell held, from the servers' gauge in each of its probes; None where
+    the probes predate the gauge. Refuses a cell whose probes held different budgets: it would not be a comparison."""
+    budgets = set()
+    for path in store.stored(root):
+        probe, res = store.load_result(path)
+        if probe["traffic"] == traffic and probe["pool"] == pool:
+            budgets |= {int(x["memory_budget"]) for x in res.samples[:1] if "memory_budget" in x}
     if len(budgets) > 1:
-        raise ValueError(f"policies of one cell held different memory budgets: {sorted(budgets)}")
+        raise ValueError(f"{traffic}, pool {pool}: policies held different memory budgets: {sorted(budgets)}")
     return budgets.pop() if budgets else None
 
 
@@ -209,7 +212,7 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
     cells = []
     for (traffic, pool), cell in sorted(result.items()):
         ordered = {p: cell[p] for p in policies if p in cell}
-        budget = _cell_budget(cell)
+        budget = _cell_budget(out, traffic, pool)
         lines += [f"## {traffic}, memory of the full-precision model + {pool} KV tokens"
                   + (f" ({budget / 2**20:.1f} MiB, every policy)" if budget else ""), ""]
         example = next((p for p in probes if p["traffic"] == traffic and p["pool"] == pool), None)
