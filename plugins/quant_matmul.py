@@ -92,7 +92,7 @@ def dequantize_int8(tensors: dict[str, Tensor], prefix: str = "") -> Tensor:
 # ---------------------------------------------------------------- runtime operators
 
 def _bf16_call(fn, x: Tensor, out_features: int) -> Tensor:
-    # The CPU int4/int8 kernels are 3-14x slower with fp32 activations than with bf16 ones (DESIGN.md §4).
+    # The CPU int4/int8 kernels are 3-14x slower with fp32 activations than with bf16 ones.
     lead = x.shape[:-1]
     y = fn(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
     return y.to(torch.float32).reshape(*lead, out_features)
