@@ -18,7 +18,7 @@ generate: setup
 test: setup
 	$(PY) -m pytest -q tests
 
-# The model-free tier, under a minute on a quiet machine: no set-up step, so it runs on a clean checkout in any
+# The model-free tier, about a minute of CPU time: no set-up step, so it runs on a clean checkout in any
 # Python with the test packages (the venv's when there is one; `pip install -e ".[test]"` otherwise). The markers:
 # pyproject.toml; what each tier holds: tests/README.md.
 .PHONY: test-fast
