@@ -18,6 +18,13 @@ generate: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# The model-free tier, about a minute of CPU time: no set-up step, so it runs on a clean checkout in any
+# Python with the test packages (the venv's when there is one; `pip install -e ".[test]"` otherwise). The markers:
+# pyproject.toml; what each tier holds: tests/README.md.
+.PHONY: test-fast
+test-fast:
+	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m "not needs_model and not server and not soak" tests
+
 bench: setup
 	$(PY) -m tools.bench_engine --json results/bench_engine.json
 	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/bench_engine_fp16.json

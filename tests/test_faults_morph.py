@@ -15,7 +15,7 @@ from trtllm_backend.engine import LLMEngine
 from trtllm_backend.precision import Precision
 from trtllm_backend.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.needs_model
 
 
 def submit(engine, n: int, max_tokens: int, prefix: str = "p") -> dict[str, list]:

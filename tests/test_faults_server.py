@@ -20,7 +20,7 @@ from test_sigterm import Launcher, _running
 from test_triton_server import GrpcStream, inputs, metrics, wait_for
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 
 
 def test_corrupt_fragment_at_swap_time_over_the_wire(tmp_path, monkeypatch):

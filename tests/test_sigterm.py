@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, TEST_SERVER_PARAMS, free_ports, http_ready
 from test_triton_server import GrpcStream, inputs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 DRAIN_S = float(TEST_SERVER_PARAMS["drain_timeout_s"])
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from tools import soak
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server, pytest.mark.soak]
 
 
 def test_a_one_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
