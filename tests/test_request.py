@@ -45,6 +45,7 @@ def test_streams_tpot_is_the_median_over_requests_with_two_tokens():
 
 
 @pytest.mark.needs_model
+@pytest.mark.needs_model
 def test_engine_signal_is_what_the_running_streams_saw(monkeypatch):
     engine = make_engine(morph_policy="balanced")
     seen: list[tuple[float, float, list[int]]] = []
