@@ -74,6 +74,10 @@ class EngineConfig:
     # Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer TLB
     # misses as a step streams the weights (trtllm_backend/huge_pages.py; all-INT4 batch 1 ~1.1x on the VM).
     huge_pages: bool = True
+    # Automatic prefix caching (trtllm_backend/prefix_cache.py): full KV blocks are cached by their tokens and
+    # everything before them, and a request reuses the longest cached prefix instead of prefilling it. On by
+    # default (as vLLM and TensorRT-LLM users expect): KV is reused only under the weights that computed it.
+    enable_prefix_caching: bool = True
     # Check the state invariants (trtllm_backend/invariants.py) after every iteration's morph step; a violation
     # is counted (EngineStats.invariant_violations) and logged with the state. Cheap enough to leave on.
     check_invariants: bool = True
@@ -87,6 +91,8 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.max_tokens_in_paged_kv_cache < self.block_size:
             raise ValueError("max_tokens_in_paged_kv_cache must hold at least one block")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.memory_budget_bytes is not None:
             _positive("memory_budget_bytes", self.memory_budget_bytes)
         if self.device not in ("cpu", "cuda"):

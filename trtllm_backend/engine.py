@@ -62,7 +62,8 @@ class LLMEngine:
         self._eos_ids = sorted(self.tokenizer.eos_token_ids)
         self._eos_index = torch.tensor(self._eos_ids, dtype=torch.long)
         self.model = LlamaModel(self.store, self.max_model_len)
-        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages)
+        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages,
+                           config.enable_prefix_caching)
         if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
             log.warning("weights and KV stay on 4 KiB pages: %s (on the 2-core VM an all-INT4 batch-1 decode step "
                         "ran 1.12x slower so: trtllm_backend/huge_pages.py)", why)
@@ -263,7 +264,7 @@ class LLMEngine:
             now=now,
             waiting=len(s.waiting),
             head_wait_s=now - head.timings.arrival if head else 0.0,
-            kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
+            kv_usage=p.num_held / p.num_blocks if p.num_blocks else 0.0,  # cached blocks nobody holds are free
             admission_blocked=self._admission_blocked,
             new_preemptions=preemptions,
             head_blocks_short=short,
@@ -274,6 +275,7 @@ class LLMEngine:
             swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.slowness_counts else False,
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
+        p.cache.set_weights(tuple(u.unit for u in m.swapped))  # KV is reused only under the weights that made it
         if self.config.check_invariants:
             self._note_violations(self.check_invariants())
 
@@ -331,6 +333,7 @@ class LLMEngine:
         for req, n in sched.scheduled:
             req.num_computed += n
             self.counters.prompt_tokens += n if req.num_output == 0 else 0
+            self.pool.cache.cache_computed(req)
         if samplers:
             self._mask_early_eos(logits, samplers)
             if self.on_logits is not None:

@@ -177,11 +177,12 @@ class MorphManager:
         return [s.unit for s in self.swapped if s.unit != HEAD_UNIT]
 
     def usage_after_shrink(self) -> float:
-        """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink)."""
+        """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink); cached blocks nobody
+        holds count as free (a shrink drops the coldest of them: KVPool.evacuate)."""
         p = self.pool
         top = self.swapped[-1].segment if self.swapped else None
         remaining = p.num_blocks - (top.num_blocks if top else 0)
-        return p.num_used / remaining if self.swapped and remaining > 0 else 1.0
+        return p.num_held / remaining if self.swapped and remaining > 0 else 1.0  # cached idle blocks: free
 
     def busy(self, iteration: int) -> bool:
         """An action is in flight, queued, or forced at or before `iteration`."""
