@@ -254,15 +254,20 @@ class LLMEngine:
         """The iteration's Signals, handed to the morph manager with the running requests' block tables."""
         s, p, m = self.scheduler, self.pool, self.morph
         now = time.monotonic()
-        head = s.waiting[0] if s.waiting else None
+        # NOTE: only the classes whose SLOs drive morphing (morph_priority_cutoff) are load: a burst of less
+        # important work waits, or is preempted, rather than costing the others their precision.
+        cutoff = self.config.morph_priority_cutoff
+        waiting = s.waiting_within(cutoff)
+        head = s.waiting[0] if waiting else None
         short = 0
         if head is not None:
             need = -(-(head.num_tokens - head.num_computed) // p.block_size)
-            short = max(0, need - p.num_allocatable)
-        preemptions, self._seen_preemptions = s.num_preemptions - self._seen_preemptions, s.num_preemptions
+            short = max(0, need - p.num_allocatable)  # cached blocks nobody holds count as free
+        driving = s.preemptions_within(cutoff)
+        preemptions, self._seen_preemptions = driving - self._seen_preemptions, driving
         signals = Signals(
             now=now,
-            waiting=len(s.waiting),
+            waiting=waiting,
             head_wait_s=now - head.timings.arrival if head else 0.0,
             kv_usage=p.num_held / p.num_blocks if p.num_blocks else 0.0,  # cached blocks nobody holds are free
             admission_blocked=self._admission_blocked,
@@ -380,14 +385,21 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         """Snapshot for other threads (replaced whole, never mutated after publication)."""
         c, p, s = self.counters, self.pool, self.scheduler
-        total, free = p.num_blocks, p.num_free  # each a sum over the segments: read once
+        total, free, cached = p.num_blocks, p.num_free, p.num_evictable  # sums over the segments: read once
+        hits = p.cache.stats
         self._stats = EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
             kv_blocks_total=total,
-            kv_blocks_used=total - free,
-            kv_blocks_free=free,
-            kv_usage=(total - free) / total if total else 0.0,
+            kv_blocks_used=total - free - cached,
+            kv_blocks_free=free + cached,
+            kv_blocks_cached=cached,
+            kv_usage=(total - free - cached) / total if total else 0.0,
+            prefix_cache_hit_blocks=hits.hit_blocks,
+            prefix_cache_miss_blocks=hits.miss_blocks,
+            prefix_cache_reused_tokens=hits.reused_tokens,
+            prefix_cache_evictions=hits.evictions,
+            waiting_by_priority=s.waiting_by_priority(),
             preemptions=s.num_preemptions,
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,

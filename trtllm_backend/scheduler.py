@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .kv_cache import KVPool
@@ -43,6 +44,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # (priority, arrival) order: the head is admitted first
         self.running: list[Request] = []  # the same order: the tail is preempted first
         self.num_preemptions = 0
+        self.preemptions_by_priority: Counter = Counter()
 
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=_rank)
@@ -59,6 +61,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_priority[req.priority] += 1
         self.add(req)  # ahead of every later arrival of its priority
 
     def _drop_blocks(self, req: Request) -> None:
@@ -78,6 +81,18 @@ class Scheduler:
         req.num_computed = len(blocks) * self.pool.block_size
         req.cache_version = cache.weights_version
         return looked
+
+    def waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
+        """(priority, waiting requests) for each class waiting, most important first."""
+        return tuple(Counter(r.priority for r in self.waiting).items())  # the queue's order: sorted already
+
+    def waiting_within(self, priority: int) -> int:
+        """Waiting requests of this priority or a more important one (the head of the queue first)."""
+        return bisect.bisect_right(self.waiting, priority, key=lambda r: r.priority)
+
+    def preemptions_within(self, priority: int) -> int:
+        """Preemptions so far of requests of this priority or a more important one."""
+        return sum(n for p, n in self.preemptions_by_priority.items() if p <= priority)
 
     def decode_rows(self) -> int:
         """Running requests whose next step is a decode (one new token)."""

@@ -54,6 +54,7 @@ INPUTS = (
     InputSpec("frequency_penalty", "float", "frequency_penalty"),
     InputSpec("presence_penalty", "float", "presence_penalty"),
     InputSpec("min_length", "int", "min_tokens"),
+    InputSpec("priority", "int", "priority"),  # vLLM's request priority: lower is more important (scheduler.py)
     InputSpec("stop_words", "texts", "stop"),
     InputSpec("stream", "bool"),
     InputSpec("exclude_input_in_output", "bool"),
