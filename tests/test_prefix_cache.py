@@ -218,3 +218,68 @@ def test_greedy_outputs_with_reuse_equal_those_without():
     assert reused > 0 and prefilled_on == prefilled_off - reused  # reused tokens are never prefilled
     for a, gaps, b in zip(off, outputs[False][1], on):
         assert_same_up_to_near_tie(a, gaps, b)
+
+
+@pytest.mark.slow
+def test_cached_blocks_nobody_holds_are_free_room_not_kv_pressure():
+    """Morphing that knows the cache: a pool full of cached blocks nobody holds admits a request that needs them by
+    evicting (least recently used first), and the controller sees no KV pressure meanwhile: no swap down."""
+    from engine_fixtures import PROMPTS, make_engine
+
+    engine = make_engine(morph_policy="balanced", max_tokens_in_paged_kv_cache=1024, tpot_slo_s=0.0)
+    pool = engine.pool
+    seen = []
+    on_iteration = engine.morph.on_iteration
+    engine.morph.on_iteration = lambda signals, *a: (seen.append(signals), on_iteration(signals, *a))[1]
+    i = 0
+    while pool.num_evictable < pool.num_blocks // 2:  # distinct prompts, cached after they finish
+        engine.add_request(f"Letter {i}. " + PROMPTS[5] * 2, SamplingParams(max_tokens=4), lambda o: None)
+        engine.run_until_idle()
+        i += 1
+    tokens = (pool.num_free + 4) * pool.block_size  # more than the free lists hold: needs evictions
+    prompt = engine.tokenizer.decode(list(range(1000, 1000 + tokens)))
+    seen.clear()
+    engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), lambda o: None)
+    engine.run_until_idle()
+    assert pool.cache.stats.evictions > 0
+    assert seen and all(not s.admission_blocked and s.head_blocks_short == 0 and s.kv_usage < 0.9 for s in seen)
+    assert engine.counters.swaps_down == 0 and engine.counters.invariant_violations == 0
+
+
+@pytest.mark.slow
+def test_a_restore_keeps_the_cached_prefixes_it_moves_and_counts_idle_blocks_as_free():
+    """A forced swap down adds a segment; a prompt cached there survives the restore's drain (moved, same names),
+    and once the same unit is swapped down again (the same weights) it is reused, with the same tokens."""
+    from trtllm_backend.controller import Action
+
+    from engine_fixtures import PROMPTS, make_engine
+
+    # (the checks run by hand: the blocks this test holds outside any request would count as violations)
+    engine = make_engine(block_size=8, max_tokens_in_paged_kv_cache=144, force_morph="down:1@0", check_invariants=False)
+    pool, force = engine.pool, engine.morph.controller.forced
+
+    def forced(kind):
+        force[engine.counters.iterations] = Action(kind, 1, "test", forced=True)
+        assert engine.settle_morph(timeout_s=120)
+
+    def generate(prompt):
+        out: list[int] = []
+        engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), lambda o: out.extend(o.token_ids))
+        engine.run_until_idle()
+        return out
+
+    assert engine.settle_morph(timeout_s=120) and len(pool.segments) == 2
+    added = pool.segments[1]
+    hold = pool.allocate(len(pool.segments[0].free))  # the prompt lands in the added segment
+    first = generate(PROMPTS[5])
+    cached = [b for b in pool.cache.evictable if added.owns(b)]
+    assert cached
+    assert engine.morph.usage_after_shrink() == pool.num_held / pool.segments[0].num_blocks  # idle blocks: free
+    pool.free(hold)
+    names = set(pool.cache.block_of)
+    forced("up")
+    assert len(pool.segments) == 1 and set(pool.cache.block_of) == names and pool.cache.stats.evictions == 0
+    forced("down")  # the same unit again: the prompt's blocks are the same prefix
+    prompt_blocks = (len(engine.tokenizer.encode(PROMPTS[5])) - 1) // 8  # all but the one of the last token
+    assert generate(PROMPTS[5]) == first and pool.cache.stats.hit_blocks == prompt_blocks
+    assert engine.check_invariants() == []

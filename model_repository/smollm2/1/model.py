@@ -328,7 +328,7 @@ class TritonPythonModel:
             status = {"error": "error", "abort": "cancelled"}.get(out.finish_reason, "success")
             if out.finish_reason == "abort" and self.closing and not live.cancelled:
                 status = "error"
-            self.metrics.request_finished(status, out.timings, out.num_output_tokens)
+            self.metrics.request_finished(status, out.timings, out.num_output_tokens, out.priority)
 
     # --- background threads -----------------------------------------------------------------------------------
     def _watch_cancellation(self) -> None:
