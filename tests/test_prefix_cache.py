@@ -69,7 +69,7 @@ def test_unreferenced_cached_blocks_stay_until_needed_then_go_least_recently_use
     run_prefill(s, a)
     first, second = a.block_table[:2]
     s.finish(a)
-    assert p.num_evictable == 2 and p.num_free == 4 and p.num_held == 0  # the partial block went back
+    assert p.num_evictable == 2 and p.num_free == 4 and p.num_used == 0  # the partial block went back
     assert p.num_allocatable == 6
     got = p.allocate(5)  # 4 free + the coldest cached block: the tail of a's prefix, not its head
     assert second in got and first not in got and p.num_evictable == 1
@@ -274,7 +274,7 @@ def test_a_restore_keeps_the_cached_prefixes_it_moves_and_counts_idle_blocks_as_
     first = generate(PROMPTS[5])
     cached = [b for b in pool.cache.evictable if added.owns(b)]
     assert cached
-    assert engine.morph.usage_after_shrink() == pool.num_held / pool.segments[0].num_blocks  # idle blocks: free
+    assert engine.morph.usage_after_shrink() == pool.num_used / pool.segments[0].num_blocks  # idle blocks: free
     pool.free(hold)
     names = set(pool.cache.block_of)
     forced("up")

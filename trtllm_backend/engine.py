@@ -269,7 +269,7 @@ class LLMEngine:
             now=now,
             waiting=waiting,
             head_wait_s=now - head.timings.arrival if head else 0.0,
-            kv_usage=p.num_held / p.num_blocks if p.num_blocks else 0.0,  # cached blocks nobody holds are free
+            kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
             admission_blocked=self._admission_blocked,
             new_preemptions=preemptions,
             head_blocks_short=short,

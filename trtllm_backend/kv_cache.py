@@ -156,13 +156,9 @@ class KVPool:
 
     @property
     def num_used(self) -> int:
-        """Resident blocks that are not free: held, or cached and unreferenced."""
-        return self.num_blocks - self.num_free
-
-    @property
-    def num_held(self) -> int:
-        """Blocks some request holds: the KV the load needs (used minus evictable)."""
-        return self.num_used - self.num_evictable
+        """Blocks some request holds: the KV the load needs (cached blocks nobody holds count as free, as in
+        vLLM's usage)."""
+        return self.num_blocks - self.num_free - self.num_evictable
 
     @property
     def nbytes(self) -> int:

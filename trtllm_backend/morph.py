@@ -182,7 +182,7 @@ class MorphManager:
         p = self.pool
         top = self.swapped[-1].segment if self.swapped else None
         remaining = p.num_blocks - (top.num_blocks if top else 0)
-        return p.num_held / remaining if self.swapped and remaining > 0 else 1.0  # cached idle blocks: free
+        return p.num_used / remaining if self.swapped and remaining > 0 else 1.0
 
     def busy(self, iteration: int) -> bool:
         """An action is in flight, queued, or forced at or before `iteration`."""
