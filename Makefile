@@ -72,6 +72,11 @@ soak: setup
 	$(PY) -m tools.soak --minutes 10 --out results/reliability
 	MORPHSERVE_SOAK=1 $(PY) -m pytest -q -s tests/test_fuzz_server.py
 
+.PHONY: soak-hour
+# The hour above capacity (issue targets: nothing lost, RSS slope within +-0.1 MiB/min, handles flat).
+soak-hour: setup
+	$(PY) -m tools.soak --minutes 60 --out results/reliability/hour
+
 # The GPU check (docs/gpu-check.md): exactness, decode tok/s beside the bandwidth floor, swaps and a burst at
 # Llama-3.1-8B's shape, into results/gpu/gpu_check.json. Needs a CUDA GPU and only torch, numpy, safetensors,
 # tokenizers: no set-up step, no network (the venv's python where there is one).

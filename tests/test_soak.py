@@ -2,6 +2,7 @@
 capacity with bad requests and cancellations; nothing lost, no invariant violation, no leak."""
 import json
 
+import numpy as np
 import pytest
 
 from tools import soak
@@ -19,3 +20,15 @@ def test_a_one_minute_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert report["after"]["invariant_violations"] == 0
     assert code == 0, report["checks"]
     assert (tmp_path / "soak_rss.png").stat().st_size > 0 and "| sent |" in (tmp_path / "soak.md").read_text()
+
+
+def test_rss_slope_finds_a_leak_and_passes_a_flat_line():
+    rng = np.random.default_rng(0)
+    t = np.arange(0, 40 * 60, 1.0)
+    noise = rng.normal(0, 2**20, t.size)  # RSS moving a MiB either way with every burst
+    flat = soak.rss_slope(list(zip(t, 300 * 2**20 + noise)), warmup_s=300)
+    leak = soak.rss_slope(list(zip(t, 300 * 2**20 + noise + 0.5 * 2**20 * t / 60)), warmup_s=300)
+    assert flat["ci95"][0] < 0 < flat["ci95"][1] and abs(flat["mib_per_min"]) < 0.05
+    assert 0.45 < leak["ci95"][0] < 0.5 < leak["ci95"][1] < 0.55
+    assert flat["minutes"] == 35
+    assert soak.rss_slope(list(zip(t[:300], noise[:300])), warmup_s=60) is None  # 4 minutes: too few to judge
