@@ -7,6 +7,7 @@ import torch
 
 from trtllm_backend.invariants import BlockChecker, block_violations
 from trtllm_backend.kv_cache import KVSegment
+from trtllm_backend.prefix_cache import PrefixCache
 
 
 
@@ -16,6 +17,7 @@ class _Pool:
         for n in sizes:
             self.segments.append(KVSegment(base, n, torch.empty(0), list(range(base + n - 1, base - 1, -1))))
             base += n
+        self.cache = PrefixCache(block_size=4)  # references only: these tests share no block
 
     @property
     def num_blocks(self):
@@ -32,11 +34,14 @@ def test_healthy_changes_stay_clean_and_corruptions_get_the_full_report():
         op = rng.random()
         seg = rng.choice(pool.segments)
         if op < 0.35 and seg.free:  # allocate from the end, as KVPool.allocate does
-            rng.choice(tables).append(seg.free.pop())
+            b = seg.free.pop()
+            pool.cache.refs[b] = 1
+            rng.choice(tables).append(b)
         elif op < 0.7:  # free a table's blocks back to their segments
             t = rng.choice(tables)
             for b in t:
                 next(s for s in pool.segments if s.owns(b)).free.append(b)
+                pool.cache.refs.pop(b, None)
             t.clear()
         elif op < 0.8:  # a corruption of one kind or another, undone a few checks later by a full repair
             kind = rng.randrange(6)
@@ -63,6 +68,7 @@ def test_healthy_changes_stay_clean_and_corruptions_get_the_full_report():
                 held.update(t)
             for s in pool.segments:
                 s.free = [b for b in range(s.base + s.num_blocks - 1, s.base - 1, -1) if b not in held]
+            pool.cache.refs = dict.fromkeys(held, 1)
         full = block_violations(pool, tables)
         assert checker.violations(pool, tables) == full, (step, full)
     assert corrupted > 100

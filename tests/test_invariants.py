@@ -34,10 +34,14 @@ def test_broken_states_are_found():
     a, b = engine.scheduler.running[:2]
     assert engine.check_invariants() == []
 
-    b.block_table.append(a.block_table[0])  # one block in two tables
+    b.block_table.append(a.block_table[0])  # one block in two tables, with one reference
     found = engine.check_invariants()
-    assert any("in two block tables" in line for line in found), found
+    assert any("block " + str(a.block_table[0]) + " in 2 tables, 1 references" in line for line in found), found
     b.block_table.pop()
+
+    engine.pool.cache.refs[a.block_table[0]] += 1  # a reference no table holds
+    assert any("reference counts differ" in line for line in engine.check_invariants())
+    engine.pool.cache.refs[a.block_table[0]] -= 1
 
     seg = engine.pool.segments[0]
     seg.free.append(a.block_table[0])  # held and free at once
@@ -86,4 +90,4 @@ def test_a_violation_is_counted_each_iteration_and_logged_once(caplog):
             engine.step()
     assert engine.counters.invariant_violations >= 3
     logged = [r.getMessage() for r in caplog.records if "invariant violated" in r.getMessage()]
-    assert len(logged) == 1 and "in two block tables" in logged[0]
+    assert len(logged) == 1 and "reference counts differ" in logged[0]

@@ -14,3 +14,7 @@ def test_min_tokens_goes_to_min_length():
     sent = _sent(Generation("hi", max_tokens=8, min_tokens=8, seed=3, stop=("a", "b")))
     assert sent["min_length"] == ("INT32", [1, 1]) and sent["max_tokens"] == ("INT32", [1, 1])
     assert sent["random_seed"] == ("UINT64", [1, 1]) and sent["stop_words"] == ("BYTES", [1, 2])
+
+
+def test_priority_goes_to_the_priority_input():
+    assert _sent(Generation("hi", priority=3))["priority"] == ("INT32", [1, 1])

@@ -1,4 +1,7 @@
+import pytest
 from test_kv_cache import pool
+
+from trtllm_backend.errors import InvalidRequest
 
 from trtllm_backend.outputs import RequestTimings
 from trtllm_backend.request import Request, Status
@@ -95,3 +98,63 @@ def test_max_batch_size_caps_running():
         s.add(req(f"r{i}", 2))
     out = s.schedule()
     assert len(out.scheduled) == 2 and len(s.waiting) == 1
+
+
+# ---- priorities (lower is more important) ------------------------------------------------------------------
+
+
+def preq(rid: str, n_prompt: int, priority: int, arrival: float = 0.0, max_tokens: int = 50) -> Request:
+    return Request(rid, list(range(100 * len(rid), 100 * len(rid) + n_prompt)),
+                   SamplingParams(max_tokens=max_tokens, priority=priority), RequestTimings(arrival=arrival))
+
+
+def test_the_most_important_waiting_request_is_admitted_first():
+    s = Scheduler(pool(blocks=11, bs=4), max_batch_size=1, max_num_tokens=64)
+    s.add(preq("batch", 3, priority=5, arrival=0.0))
+    s.add(preq("chat", 3, priority=0, arrival=1.0))
+    s.add(preq("batch2", 3, priority=5, arrival=0.5))
+    assert [r.request_id for r in s.waiting] == ["chat", "batch", "batch2"]
+    assert s.waiting_within(0) == 1 and s.waiting_by_priority() == ((0, 1), (5, 2))
+    assert [r.request_id for r, _ in s.schedule().scheduled] == ["chat"]
+
+
+def test_an_important_request_preempts_less_important_running_work_for_room():
+    s = Scheduler(pool(blocks=4, bs=4), max_batch_size=8, max_num_tokens=64)
+    batch = preq("batch", 12, priority=5)  # 3 of the 4 blocks
+    s.add(batch)
+    advance(s.schedule())
+    chat = preq("chat", 6, priority=0, arrival=1.0)  # needs 2 blocks: only 1 free
+    s.add(chat)
+    out = s.schedule()
+    assert out.preempted == [batch] and (chat, 6) in out.scheduled
+    assert all(r is not batch for r, _ in out.scheduled)  # its decode this iteration was given back
+    assert s.waiting == [batch] and batch.block_table == [] and s.preemptions_within(0) == 0
+    assert s.preemptions_within(5) == 1
+
+
+def test_a_request_never_preempts_its_own_priority_or_a_more_important_one():
+    s = Scheduler(pool(blocks=4, bs=4), max_batch_size=1, max_num_tokens=64)
+    chat = preq("chat", 3, priority=0)
+    s.add(chat)
+    advance(s.schedule())
+    s.add(preq("peer", 3, priority=0, arrival=1.0))
+    s.add(preq("batch", 3, priority=3, arrival=2.0))
+    out = s.schedule()  # the batch is full (max_batch_size=1): both wait
+    assert out.preempted == [] and [r.request_id for r, _ in out.scheduled] == ["chat"]
+    assert not out.admission_blocked  # a full batch is not a KV shortage
+
+
+def test_a_decode_short_of_blocks_preempts_the_least_important_running_request():
+    s = Scheduler(pool(blocks=4, bs=4), max_batch_size=8, max_num_tokens=64)
+    chat, batch = preq("chat", 8, priority=0), preq("batch", 8, priority=2, arrival=-1.0)  # batch arrived first
+    s.add(batch)
+    s.add(chat)
+    advance(s.schedule())
+    out = s.schedule()  # chat's 9th token needs a third block: the batch request goes, though older
+    assert out.preempted == [batch] and [r.request_id for r, _ in out.scheduled] == ["chat"]
+
+
+@pytest.mark.parametrize("bad", [11, -11, 1.5, True, "0"])
+def test_a_priority_out_of_range_is_named(bad):
+    with pytest.raises(InvalidRequest, match=r"priority: must be an integer in \[-10, 10\]"):
+        SamplingParams(priority=bad)

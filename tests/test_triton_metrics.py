@@ -47,3 +47,30 @@ def test_gauges_follow_the_snapshot(metrics):
     assert get("morphserve_kv_cache_blocks", type="max") == 80 and get("morphserve_kv_cache_usage_ratio") == 0.25
     assert get("morphserve_int4_layers") == 4 and get("morphserve_kv_capacity_blocks") == 64
     assert get("morphserve_lm_head_int8") == 1
+
+
+def test_prefix_cache_counters_and_gauges(metrics):
+    metrics.update(EngineStats(kv_blocks_cached=7, prefix_cache_hit_blocks=30, prefix_cache_miss_blocks=10,
+                               prefix_cache_reused_tokens=480, prefix_cache_evictions=2), active=0)
+    get = lambda name, **kw: FakeMetricFamily.created[name].get(**kw).value  # noqa: E731
+    assert get("morphserve_prefix_cache_blocks_total", result="hit") == 30
+    assert get("morphserve_prefix_cache_blocks_total", result="miss") == 10
+    assert get("morphserve_prefix_cache_reused_tokens_total") == 480
+    assert get("morphserve_prefix_cache_evictions_total") == 2
+    assert get("morphserve_prefix_cache_hit_rate") == 0.75 and get("morphserve_kv_cache_blocks", type="cached") == 7
+
+
+def test_each_priority_class_has_its_queue_and_latencies(metrics):
+    from trtllm_backend.outputs import RequestTimings
+
+    metrics.update(EngineStats(waiting=3, waiting_by_priority=((0, 1), (5, 2))), active=3)
+    get = lambda name, **kw: FakeMetricFamily.created[name].get(**kw).value  # noqa: E731
+    assert get("morphserve_requests_waiting_by_priority", priority="5") == 2
+    metrics.update(EngineStats(waiting=1, waiting_by_priority=((0, 1),)), active=1)
+    assert get("morphserve_requests_waiting_by_priority", priority="5") == 0  # seen once: reported at 0
+    metrics.request_finished("success", RequestTimings(arrival=1.0, scheduled=1.5, first_token=2.0, finished=3.0), 4,
+                             priority=5)
+    ttft = FakeMetricFamily.created["morphserve_priority_time_to_first_token_seconds"]
+    assert ttft.get(priority="5").observations == [1.0]
+    queue = FakeMetricFamily.created["morphserve_priority_request_queue_time_seconds"]
+    assert queue.get(priority="5").observations == [0.5]

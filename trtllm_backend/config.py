@@ -8,6 +8,7 @@ import torch
 
 from .controller import parse_forced
 from .precision import LM_HEAD_PRECISIONS
+from .sampling import PRIORITY_MAX, PRIORITY_MIN
 
 
 def _positive(name: str, value) -> None:
@@ -74,6 +75,14 @@ class EngineConfig:
     # Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer TLB
     # misses as a step streams the weights (trtllm_backend/huge_pages.py; all-INT4 batch 1 ~1.1x on the VM).
     huge_pages: bool = True
+    # Automatic prefix caching (trtllm_backend/prefix_cache.py): full KV blocks are cached by their tokens and
+    # everything before them, and a request reuses the longest cached prefix instead of prefilling it. On by
+    # default (as vLLM and TensorRT-LLM users expect): KV is reused only under the weights that computed it.
+    enable_prefix_caching: bool = True
+    # The request priorities whose queue drives morphing (SamplingParams.priority, lower is more important): the
+    # controller sees the waiting requests and preemptions of priorities <= this; less important ones are
+    # served with what those leave. Default: every class.
+    morph_priority_cutoff: int = PRIORITY_MAX
     # Check the state invariants (trtllm_backend/invariants.py) after every iteration's morph step; a violation
     # is counted (EngineStats.invariant_violations) and logged with the state. Cheap enough to leave on.
     check_invariants: bool = True
@@ -87,6 +96,11 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.max_tokens_in_paged_kv_cache < self.block_size:
             raise ValueError("max_tokens_in_paged_kv_cache must hold at least one block")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        cutoff = self.morph_priority_cutoff
+        if isinstance(cutoff, bool) or not isinstance(cutoff, int) or not PRIORITY_MIN <= cutoff <= PRIORITY_MAX:
+            raise ValueError(f"morph_priority_cutoff must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {cutoff!r}")
         if self.memory_budget_bytes is not None:
             _positive("memory_budget_bytes", self.memory_budget_bytes)
         if self.device not in ("cpu", "cuda"):

@@ -62,7 +62,8 @@ class LLMEngine:
         self._eos_ids = sorted(self.tokenizer.eos_token_ids)
         self._eos_index = torch.tensor(self._eos_ids, dtype=torch.long)
         self.model = LlamaModel(self.store, self.max_model_len)
-        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages)
+        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages,
+                           config.enable_prefix_caching)
         if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
             log.warning("weights and KV stay on 4 KiB pages: %s (on the 2-core VM an all-INT4 batch-1 decode step "
                         "ran 1.12x slower so: trtllm_backend/huge_pages.py)", why)
@@ -252,15 +253,20 @@ class LLMEngine:
         """The iteration's Signals, handed to the morph manager with the running requests' block tables."""
         s, p, m = self.scheduler, self.pool, self.morph
         now = time.monotonic()
-        head = s.waiting[0] if s.waiting else None
+        # NOTE: only the classes whose SLOs drive morphing (morph_priority_cutoff) are load: a burst of less
+        # important work waits, or is preempted, rather than costing the others their precision.
+        cutoff = self.config.morph_priority_cutoff
+        waiting = s.waiting_within(cutoff)
+        head = s.waiting[0] if waiting else None
         short = 0
         if head is not None:
             need = -(-(head.num_tokens - head.num_computed) // p.block_size)
-            short = max(0, need - p.num_allocatable)
-        preemptions, self._seen_preemptions = s.num_preemptions - self._seen_preemptions, s.num_preemptions
+            short = max(0, need - p.num_allocatable)  # cached blocks nobody holds count as free
+        driving = s.preemptions_within(cutoff)
+        preemptions, self._seen_preemptions = driving - self._seen_preemptions, driving
         signals = Signals(
             now=now,
-            waiting=len(s.waiting),
+            waiting=waiting,
             head_wait_s=now - head.timings.arrival if head else 0.0,
             kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
             admission_blocked=self._admission_blocked,
@@ -273,6 +279,7 @@ class LLMEngine:
             swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.slowness_counts else False,
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
+        p.cache.set_weights(tuple(u.unit for u in m.swapped))  # KV is reused only under the weights that made it
         if self.config.check_invariants:
             self._note_violations(self.check_invariants())
 
@@ -329,6 +336,7 @@ class LLMEngine:
         for req, n in sched.scheduled:
             req.num_computed += n
             self.counters.prompt_tokens += n if req.num_output == 0 else 0
+            self.pool.cache.cache_computed(req)
         if samplers:
             self._mask_early_eos(logits, samplers)
             if self.on_logits is not None:
@@ -374,14 +382,21 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         """Snapshot for other threads (replaced whole, never mutated after publication)."""
         c, p, s = self.counters, self.pool, self.scheduler
-        total, free = p.num_blocks, p.num_free  # each a sum over the segments: read once
+        total, free, cached = p.num_blocks, p.num_free, p.num_evictable  # sums over the segments: read once
+        hits = p.cache.stats
         self._stats = EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
             kv_blocks_total=total,
-            kv_blocks_used=total - free,
-            kv_blocks_free=free,
-            kv_usage=(total - free) / total if total else 0.0,
+            kv_blocks_used=total - free - cached,
+            kv_blocks_free=free + cached,
+            kv_blocks_cached=cached,
+            kv_usage=(total - free - cached) / total if total else 0.0,
+            prefix_cache_hit_blocks=hits.hit_blocks,
+            prefix_cache_miss_blocks=hits.miss_blocks,
+            prefix_cache_reused_tokens=hits.reused_tokens,
+            prefix_cache_evictions=hits.evictions,
+            waiting_by_priority=s.waiting_by_priority(),
             preemptions=s.num_preemptions,
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,

@@ -4,13 +4,17 @@ last one (the block tables, and the free lists compared to their last checked co
 scan, block_violations, for the report whenever anything may be wrong.
 
 - memory: the account's resident bytes never exceed the budget, and match the tensors that exist;
-- blocks: no block in two block tables, none both held and free, free + used = the pool's size;
+- blocks: each block in exactly one state: held (a block in k block tables has k references, and no table holds
+  a block twice), free (on its own segment's free list, once), or cached and unreferenced (evictable, and named
+  in the prefix cache); held + free + evictable = the pool's size, and the cache's names map both ways;
 - bindings: each layer slot (and the embedding / LM head table) is bound to a precision the manifest has for it, at no more bytes than the
   manifest's fragment, and the INT4 slots are exactly the layers the morph manager swapped.
 
 Each check returns one line per broken invariant, with the state that shows it (empty when all hold).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 from .kv_cache import KVPool
 from .layers import LayerSlot
@@ -37,12 +41,19 @@ def memory_violations(account: MemoryAccount, pool: KVPool, layers: int) -> list
 
 def block_violations(pool: KVPool, block_tables: list[list[int]]) -> list[str]:
     out = []
-    held: set[int] = set()
+    counts: Counter = Counter()
     for i, table in enumerate(block_tables):
-        twice = held.intersection(table) | {b for b in table if table.count(b) > 1}
+        twice = sorted(b for b, n in Counter(table).items() if n > 1)
         if twice:
-            out.append(f"blocks: {sorted(twice)[:8]} are in two block tables (table {i})")
-        held.update(table)
+            out.append(f"blocks: {twice[:8]} are twice in block table {i}")
+        counts.update(table)
+    cache = pool.cache
+    refs = cache.refs
+    wrong = sorted(b for b in counts.keys() | refs.keys() if counts.get(b, 0) != refs.get(b, 0))
+    if wrong:
+        out.append("blocks: reference counts differ from the block tables: "
+                   + ", ".join(f"block {b} in {counts.get(b, 0)} tables, {refs.get(b, 0)} references" for b in wrong[:8]))
+    held = set(counts)
     free = [b for seg in pool.segments for b in seg.free]
     if len(free) != len(set(free)):
         out.append(f"blocks: {len(free) - len(set(free))} free blocks are listed twice")
@@ -52,9 +63,19 @@ def block_violations(pool: KVPool, block_tables: list[list[int]]) -> list[str]:
     both = held.intersection(free)
     if both:
         out.append(f"blocks: {sorted(both)[:8]} are both held and free")
-    if len(held) + len(set(free)) != pool.num_blocks:
-        out.append(f"blocks: {len(held)} held + {len(set(free))} free != {pool.num_blocks} in the pool "
-                   f"(segments {[(s.base, s.num_blocks, len(s.free)) for s in pool.segments]})")
+    idle = set(cache.evictable)
+    if idle & (held | set(free)):
+        out.append(f"blocks: evictable blocks {sorted(idle & (held | set(free)))[:8]} are also held or free")
+    unnamed = sorted(b for b in idle if b not in cache.name_of)
+    if unnamed:
+        out.append(f"blocks: evictable blocks {unnamed[:8]} are not cached under any name")
+    bad_names = sorted(b for b, name in cache.name_of.items() if cache.block_of.get(name) != b)
+    if bad_names or len(cache.block_of) != len(cache.name_of):
+        out.append(f"blocks: the prefix cache's names do not map both ways ({len(cache.block_of)} names, "
+                   f"{len(cache.name_of)} named blocks, {bad_names[:8]} mismatched)")
+    if len(held) + len(set(free)) + len(idle) != pool.num_blocks:
+        out.append(f"blocks: {len(held)} held + {len(set(free))} free + {len(idle)} evictable != {pool.num_blocks} in "
+                   f"the pool (segments {[(s.base, s.num_blocks, len(s.free)) for s in pool.segments]})")
     return out
 
 
@@ -99,23 +120,26 @@ class BlockChecker:
         return blocks
 
     def violations(self, pool: KVPool, block_tables: list[list[int]]) -> list[str]:
-        held: set[int] = set()
-        n_held = 0
+        counts: Counter = Counter()
+        ok = True
         for table in block_tables:
-            held.update(table)
-            n_held += len(table)
-        ok = n_held == len(held)  # no block twice in one table or in two
+            counts.update(table)
+            ok = ok and len(set(table)) == len(table)  # no block twice in one table
+        cache = pool.cache
+        ok = ok and counts == cache.refs  # shared blocks counted by reference
+        held, idle = counts.keys(), cache.evictable.keys()
+        ok = ok and held.isdisjoint(idle) and idle <= cache.name_of.keys() and len(cache.block_of) == len(cache.name_of)
         n_free = 0
         for seg in pool.segments:
             blocks = self._free_set(seg) if ok else None
-            if blocks is None or not held.isdisjoint(blocks):
+            if blocks is None or not held.isdisjoint(blocks) or not idle.isdisjoint(blocks):
                 ok = False
                 break
             n_free += len(blocks)
         live = {id(seg) for seg in pool.segments}
         for key in [k for k in self._free if k not in live]:  # released segments
             del self._free[key]
-        if ok and n_held + n_free == pool.num_blocks:
+        if ok and len(held) + n_free + len(idle) == pool.num_blocks:
             return []
         return block_violations(pool, block_tables)
 

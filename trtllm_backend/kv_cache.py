@@ -5,6 +5,9 @@ layer can use. Inside a segment the memory is layer-major ([layer, k|v, slot, kv
 layer's keys are a single index_select away; the block is still the unit of allocation and accounting.
 Block ids are global and stable: segment s owns ids [base, base + num_blocks); slot ids (block * block_size +
 offset) are global too, and the pool maps them to (segment, local slot) for the attention plan.
+Every block is in exactly one state: free (on its segment's free list), held (reference counted in `cache.refs`:
+block tables may share a cached prefix), or cached and unreferenced (`cache.evictable`: resident, reusable, and
+given up least recently used first when blocks are needed; trtllm_backend/prefix_cache.py).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 
 from . import huge_pages
 from .manifest import ModelConfig
+from .prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)
@@ -40,8 +44,9 @@ class KVPool:
     """Owns the segments and hands out blocks. Not thread-safe: used by the engine thread only."""
 
     def __init__(self, config: ModelConfig, block_size: int, dtype: torch.dtype, device: str = "cpu",
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, prefix_caching: bool = True):
         self.config = config
+        self.cache = PrefixCache(block_size, prefix_caching)
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -132,55 +137,117 @@ class KVPool:
 
     @property
     def num_allocatable(self) -> int:
-        return sum(len(s.free) for s in self.segments if not s.draining)
+        """Blocks a request can get outside draining segments, cached unreferenced ones included."""
+        free = sum(len(s.free) for s in self.segments if not s.draining)
+        idle = self.num_evictable
+        if idle and any(s.draining for s in self.segments):  # rare (a restore under way): count those that stay
+            idle = sum(1 for b in self.cache.evictable if not self.segment_of(b).draining)
+        return free + idle
 
     @property
     def num_free(self) -> int:
+        """Blocks on the free lists (not counting cached unreferenced ones: see num_evictable)."""
         return sum(len(s.free) for s in self.segments)
 
     @property
+    def num_evictable(self) -> int:
+        """Cached blocks no request holds: resident, but free for anyone who needs blocks."""
+        return len(self.cache.evictable)
+
+    @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        """Blocks some request holds: the KV the load needs (cached blocks nobody holds count as free, as in
+        vLLM's usage)."""
+        return self.num_blocks - self.num_free - self.num_evictable
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n blocks, all or nothing, earliest segments first. Draining segments are the last resort:
-        a restore waits longer rather than a request being preempted."""
-        if n > self.num_free:
+        """n blocks, all or nothing, earliest segments first, each with one reference. Free blocks first, then
+        cached ones nobody holds, least recently used first. Draining segments are the last resort: a restore
+        waits longer rather than a request being preempted."""
+        free = self.num_free
+        if n > free + self.num_evictable:
             return None
+        for _ in range(n - free):
+            b = self.cache.evict()
+            self.segment_of(b).free.append(b)
         out: list[int] = []
         for seg in sorted(self.segments, key=lambda s: s.draining):  # stable: keeps segment order
             while seg.free and len(out) < n:
                 out.append(seg.free.pop())
             if len(out) == n:
                 break
+        refs = self.cache.refs
+        for b in out:
+            refs[b] = 1
         return out
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.segment_of(b).free.append(b)
+        """Drop one reference to each block (a block table given back). A block nobody holds goes back to the
+        free list, or stays cached if it is. NOTE: last block first, so a prefix's tail is evicted before its
+        head (the head is what other requests share)."""
+        cache = self.cache
+        for b in reversed(blocks):
+            if cache.unref(b):
+                self.segment_of(b).free.append(b)
 
     def evacuate(self, seg: KVSegment, block_tables: list[list[int]]) -> bool:
         """Move the live blocks of `seg` that `block_tables` hold into free blocks of segments that are not
-        draining, rewriting those tables in place; marks `seg` draining so nothing new lands in it. True once
-        every block of `seg` is free (it can be released); False if there was no room for all of them yet
-        (what moved stays moved: call again later)."""
+        draining, rewriting those tables in place (a block shared by several tables moves once); marks `seg`
+        draining so nothing new lands in it. Cached unreferenced blocks of `seg` move too, hottest first, while
+        there is room no hotter cached block pays for; the rest are dropped: a shrink gives up the coldest cached
+        blocks of the whole pool, never a hot prefix. A moved block keeps its references, its name and its place
+        in the LRU order. True once every block of `seg` is free (it can be released); False if there was no room
+        for all the live blocks yet (what moved stays moved: call again later)."""
         seg.draining = True
-        for table in block_tables:
-            for i, b in enumerate(table):
-                if not seg.owns(b):
-                    continue
-                dst = next((s for s in self.segments if s.free and not s.draining), None)
-                if dst is None:
-                    return False
-                new = dst.free.pop()
-                self.copy_block(b, new)
-                seg.free.append(b)
-                table[i] = new
-        return len(seg.free) == seg.num_blocks
+        cache = self.cache
+        moved: dict[int, int] = {}
+        try:
+            for table in block_tables:
+                for i, b in enumerate(table):
+                    if not seg.owns(b):
+                        continue
+                    if b not in moved:
+                        new = self._room_for_move()
+                        if new is None:
+                            return False
+                        self.copy_block(b, new)
+                        moved[b] = new
+                    table[i] = moved[b]
+            idle = [b for b in cache.evictable if seg.owns(b)]  # coldest first
+            if idle:
+                rank = {b: i for i, b in enumerate(cache.evictable)}
+                for b in reversed(idle):  # hottest first
+                    new = self._room_for_move(rank, rank[b])
+                    if new is None:
+                        cache.drop(b)
+                        seg.free.append(b)
+                    else:
+                        self.copy_block(b, new)
+                        moved[b] = new
+            return len(seg.free) + len(moved) == seg.num_blocks
+        finally:
+            if moved:
+                cache.move_all(moved)
+                seg.free.extend(moved)
+
+    def _room_for_move(self, rank: dict[int, int] | None = None, colder_than: int = 0) -> int | None:
+        """A block outside draining segments to move K/V into: a free one, else the least recently used cached
+        unreferenced one (forgotten), if its LRU `rank` is below `colder_than`, the moving block's (no rank: a
+        live block, which must move whatever is cached). None if there is no such room."""
+        dst = next((s for s in self.segments if s.free and not s.draining), None)
+        if dst is not None:
+            return dst.free.pop()
+        for b in self.cache.evictable:
+            if rank is not None and rank[b] >= colder_than:
+                return None
+            if not self.segment_of(b).draining:
+                self.cache.drop(b)
+                return b
+        return None
 
     def copy_block(self, src: int, dst: int) -> None:
         """Move the K/V of one block (all layers) to another block, possibly in another segment."""

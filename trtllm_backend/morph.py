@@ -180,7 +180,8 @@ class MorphManager:
         return [s.unit for s in self.swapped + self.stuck if s.unit != HEAD_UNIT]
 
     def usage_after_shrink(self) -> float:
-        """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink)."""
+        """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink); cached blocks nobody
+        holds count as free (a shrink drops the coldest of them: KVPool.evacuate)."""
         p = self.pool
         top = self.swapped[-1].segment if self.swapped else None
         remaining = p.num_blocks - (top.num_blocks if top else 0)

@@ -27,6 +27,17 @@ class RequestOutput:
     num_output_tokens: int = 0  # cumulative
     timings: RequestTimings | None = None
     preempted: int = 0  # how many times this request was preempted and recomputed
+    # KV reuse at admission (prefix_cache.py; TensorRT-LLM's per-request kv_cache_reused_block / kv_cache_hit_rate):
+    # full prompt blocks found cached, full prompt blocks looked up and computed, prompt tokens not prefilled.
+    kv_cache_reused_blocks: int = 0
+    kv_cache_missed_blocks: int = 0
+    kv_cache_reused_tokens: int = 0
+    priority: int = 0
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        looked = self.kv_cache_reused_blocks + self.kv_cache_missed_blocks
+        return self.kv_cache_reused_blocks / looked if looked else 0.0
 
 
 @dataclass(slots=True)
@@ -34,9 +45,17 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    kv_usage: float = 0.0
+    kv_blocks_used: int = 0  # held by requests
+    kv_blocks_free: int = 0  # free for requests: on the free lists, or cached and held by none (kv_blocks_cached)
+    kv_blocks_cached: int = 0  # cached prefix blocks no request holds (evicted least recently used first)
+    kv_usage: float = 0.0  # used / total
+    # Automatic prefix caching (prefix_cache.py), counted at each admission: full prompt blocks found cached and
+    # not found, prompt tokens not prefilled thanks to a hit, cached blocks evicted.
+    prefix_cache_hit_blocks: int = 0
+    prefix_cache_miss_blocks: int = 0
+    prefix_cache_reused_tokens: int = 0
+    prefix_cache_evictions: int = 0
+    waiting_by_priority: tuple[tuple[int, int], ...] = ()  # (priority, waiting requests), most important first
     preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -58,6 +77,11 @@ class EngineStats:
     # `swaps_timed`, the count of every swap timed since start. Readers keep the count they saw: timings_since.
     swap_timings: tuple[tuple[float, float], ...] = ()
     swaps_timed: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        looked = self.prefix_cache_hit_blocks + self.prefix_cache_miss_blocks
+        return self.prefix_cache_hit_blocks / looked if looked else 0.0
 
     def timings_since(self, seen: int) -> list[tuple[float, float]]:
         """The timings of swaps numbered after `seen` (a reader's previous `swaps_timed`) that this snapshot

@@ -36,6 +36,15 @@ class Request:
     status: Status = Status.WAITING
     preemptions: int = 0
     generator: torch.Generator | None = None
+    # Prefix cache (prefix_cache.py): names of the leading full blocks computed or reused, and the weights
+    # version they were computed under (-1: none yet).
+    block_names: list[bytes] = field(default_factory=list)
+    cache_version: int = -1
+    # KV reuse at the request's first admission (TensorRT-LLM's per-request kv_cache_reused_block and hit rate):
+    # full prompt blocks found cached / looked up and computed, and the prompt tokens not prefilled for them.
+    reused_blocks: int = 0
+    missed_blocks: int = 0
+    reused_tokens: int = 0
     token_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TPOT_TOKENS + 1))  # last emits
 
     def note_token_time(self, now: float) -> None:
@@ -53,6 +62,16 @@ class Request:
             self.token_ids = list(self.prompt_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def priority(self) -> int:
+        """Lower is more important (vLLM's convention): admitted first, preempted last."""
+        return self.params.priority
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        looked = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / looked if looked else 0.0
 
     @property
     def num_tokens(self) -> int:

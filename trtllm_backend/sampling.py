@@ -9,6 +9,9 @@ from plugins.argmax import argmax_rows
 
 from .errors import InvalidRequest
 
+# Request priorities (vLLM's `priority`): lower is more important; each value is a class with its own metrics.
+PRIORITY_MIN, PRIORITY_MAX = -10, 10
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -24,6 +27,8 @@ class SamplingParams:
     # frequency_penalty * count + presence_penalty * (count > 0). Negative values encourage repetition.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Scheduling, not sampling: carried here as the per-request set every surface already builds (scheduler.py).
+    priority: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -53,6 +58,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (-2.0 <= value <= 2.0):
                 raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise InvalidRequest("priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is more "
+                                             f"important), got {self.priority!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop", "must be a list of non-empty strings")
 

@@ -2,13 +2,23 @@
 
 Like vLLM v1, the scheduler knows only computed vs total tokens per request: a decode is "1 new token",
 a prefill is "the rest of the prompt", chunked to the per-iteration token budget. Requests join and leave
-the running batch every iteration. When a running request cannot get a block, the newest running request
-is preempted (blocks freed, requeued at the front for recompute) and allocation is retried.
+the running batch every iteration. When a running request cannot get a block, the least important running
+request (the newest of its priority) is preempted (blocks freed, requeued for recompute) and allocation is
+retried.
+
+Priorities (SamplingParams.priority, lower is more important): both queues are kept in (priority, arrival)
+order, so the waiting head is the most important oldest request and preemption takes from the running tail. A
+waiting request that finds no room (blocks or batch slots) preempts running requests of a lower priority, never
+of its own or a higher one.
+
+A request admitted with nothing computed first takes the longest cached prefix of its tokens from the pool's
+prefix cache: those tokens count as computed and are never prefilled (prefix_cache.py).
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .kv_cache import KVPool
@@ -31,12 +41,13 @@ class Scheduler:
         self.pool = pool
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # (priority, arrival) order: the head is admitted first
+        self.running: list[Request] = []  # the same order: the tail is preempted first
         self.num_preemptions = 0
+        self.preemptions_by_priority: Counter = Counter()
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        bisect.insort(self.waiting, req, key=_rank)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -46,13 +57,42 @@ class Scheduler:
         return max(0, -(-(req.num_computed + new_tokens) // bs) - len(req.block_table))
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.block_table)
-        req.block_table = []
-        req.num_computed = 0
+        self._drop_blocks(req)
         req.status = Status.WAITING
         req.preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.preemptions_by_priority[req.priority] += 1
+        self.add(req)  # ahead of every later arrival of its priority
+
+    def _drop_blocks(self, req: Request) -> None:
+        """Give the request's blocks back (its cached full blocks stay cached: a recompute finds them again)."""
+        self.pool.free(req.block_table)
+        req.block_table = []
+        req.num_computed = 0
+        req.block_names = []
+
+    def _reuse_cached_prefix(self, req: Request) -> int:
+        """Start a request with nothing computed from the longest cached prefix of its tokens; returns the full
+        blocks looked up."""
+        cache = self.pool.cache
+        blocks, names, looked = cache.match(req.token_ids)
+        req.block_table = blocks
+        req.block_names = names
+        req.num_computed = len(blocks) * self.pool.block_size
+        req.cache_version = cache.weights_version
+        return looked
+
+    def waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
+        """(priority, waiting requests) for each class waiting, most important first."""
+        return tuple(Counter(r.priority for r in self.waiting).items())  # the queue's order: sorted already
+
+    def waiting_within(self, priority: int) -> int:
+        """Waiting requests of this priority or a more important one (the head of the queue first)."""
+        return bisect.bisect_right(self.waiting, priority, key=lambda r: r.priority)
+
+    def preemptions_within(self, priority: int) -> int:
+        """Preemptions so far of requests of this priority or a more important one."""
+        return sum(n for p, n in self.preemptions_by_priority.items() if p <= priority)
 
     def decode_rows(self) -> int:
         """Running requests whose next step is a decode (one new token)."""
@@ -62,7 +102,7 @@ class Scheduler:
         """`token_budget`: this iteration's tokens (default and at most max_num_tokens)."""
         out = SchedulerOutput()
         budget = self.max_num_tokens if token_budget is None else min(token_budget, self.max_num_tokens)
-        # 1. Running requests first, oldest first.
+        # 1. Running requests first, most important and oldest first.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -70,7 +110,7 @@ class Scheduler:
             need = self._blocks_needed(req, n)
             blocks = self.pool.allocate(need) if need else []
             while blocks is None:
-                victim = self.running.pop()  # newest; never one already scheduled (those are before i)
+                victim = self.running.pop()  # least important, newest; never one already scheduled (before i)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -82,25 +122,46 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
             i += 1
-        # 2. Admit waiting requests while there is room, unless we just had to preempt.
+        # 2. Admit waiting requests while there is room, unless a running request just had to be preempted.
+        starved = bool(out.preempted)
         now = time.monotonic()
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_batch_size:
+        while self.waiting and not starved and budget > 0:
             req = self.waiting[0]
+            looked = self._reuse_cached_prefix(req) if req.num_computed == 0 else 0
             n = min(req.num_tokens - req.num_computed, budget)
             need = self._blocks_needed(req, n)
-            blocks = self.pool.allocate(need)
+            blocks = self._room_for(need)
+            while blocks is None and self.running and self.running[-1].priority > req.priority:
+                victim = self.running.pop()  # less important: it makes room (its scheduled tokens are given back)
+                for j, (r, k) in enumerate(out.scheduled):
+                    if r is victim:
+                        del out.scheduled[j]
+                        budget += k
+                        break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                blocks = self._room_for(need)
             if blocks is None:
-                out.admission_blocked = True
+                out.admission_blocked = len(self.running) < self.max_batch_size
+                self._drop_blocks(req)  # the reused prefix goes back to the cache until the next try
                 break
-            self.waiting.popleft()
-            req.block_table.extend(blocks)
-            req.status = Status.RUNNING
+            self.waiting.pop(0)
+            hit = len(req.block_table)
+            self.pool.cache.count_lookup(hit, looked)
             if req.timings.scheduled is None:
                 req.timings.scheduled = now
-            self.running.append(req)
+                req.reused_blocks, req.missed_blocks = hit, looked - hit
+                req.reused_tokens = req.num_computed
+            req.block_table.extend(blocks)
+            req.status = Status.RUNNING
+            bisect.insort(self.running, req, key=_rank)
             out.scheduled.append((req, n))
             budget -= n
         return out
+
+    def _room_for(self, need: int) -> list[int] | None:
+        """`need` blocks for a request joining the batch, or None (no blocks, or no batch slot)."""
+        return self.pool.allocate(need) if len(self.running) < self.max_batch_size else None
 
     def finish(self, req: Request) -> None:
         """Remove a request wherever it is and give its blocks back."""
@@ -108,6 +169,9 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        self.pool.free(req.block_table)
-        req.block_table = []
+        self._drop_blocks(req)
         req.status = Status.FINISHED
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    return req.priority, req.timings.arrival

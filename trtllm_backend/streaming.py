@@ -65,6 +65,10 @@ class OutputStream:
             num_output_tokens=self.req.num_output,
             timings=self.req.timings,
             preempted=self.req.preemptions,
+            kv_cache_reused_blocks=self.req.reused_blocks,
+            kv_cache_missed_blocks=self.req.missed_blocks,
+            kv_cache_reused_tokens=self.req.reused_tokens,
+            priority=self.req.priority,
         )
         self.pending_ids, self.pending_int4 = [], []
         try:

@@ -23,6 +23,7 @@ class Planned:
     prompt: str
     prompt_tokens: int
     output_tokens: int  # forced: max_tokens = min_length = this
+    priority: int = 0  # the model's `priority` input (lower is more important); 0 is not sent
 
 
 @dataclass(slots=True)
@@ -91,9 +92,12 @@ class GrpcTarget:
             t.set_data_from_numpy(np.array([[value]], dtype=object if dtype == "BYTES" else None))
             return t
 
-        return [tensor("text_input", p.prompt.encode(), "BYTES"), tensor("max_tokens", np.int32(p.output_tokens), "INT32"),
-                tensor("min_length", np.int32(p.output_tokens), "INT32"), tensor("stream", True, "BOOL"),
-                tensor("exclude_input_in_output", True, "BOOL")]
+        inputs = [tensor("text_input", p.prompt.encode(), "BYTES"), tensor("max_tokens", np.int32(p.output_tokens), "INT32"),
+                  tensor("min_length", np.int32(p.output_tokens), "INT32"), tensor("stream", True, "BOOL"),
+                  tensor("exclude_input_in_output", True, "BOOL")]
+        if p.priority:
+            inputs.append(tensor("priority", np.int32(p.priority), "INT32"))
+        return inputs
 
     async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
         client = self.clients[self._next % len(self.clients)]
@@ -144,7 +148,7 @@ class HttpSseTarget:
 
     async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
         body = {"text_input": p.prompt, "max_tokens": p.output_tokens, "min_length": p.output_tokens,
-                "stream": True, "exclude_input_in_output": True}
+                "stream": True, "exclude_input_in_output": True} | ({"priority": p.priority} if p.priority else {})
         rec.send_s = clock.now()
         try:
             async with self.session.post(self.url, json=body) as resp:

@@ -172,7 +172,7 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None) -> F
         limit_field, limit = req.output_limit
         gen = Generation(prompt, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                          stop=tuple(req.stop_list), seed=req.seed, frequency_penalty=req.frequency_penalty,
-                         presence_penalty=req.presence_penalty, min_tokens=req.min_output)
+                         presence_penalty=req.presence_penalty, min_tokens=req.min_output, priority=req.priority)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         call = _Call(kind, req.model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), arrival)
         pieces = state["backend"].generate(gen, prompt_field, limit_field)

@@ -62,6 +62,9 @@ class GenerationRequest(_Strict):
     # vLLM's extensions, which its serving benchmark and genai-perf send to force output lengths.
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
+    # vLLM's request priority: lower is more important. Forwarded as the model's `priority` input, whose range the
+    # engine checks (trtllm_backend.sampling; the error names the field).
+    priority: int | None = None
 
     @property
     def stop_list(self) -> list[str]:

@@ -35,6 +35,7 @@ class Generation:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     min_tokens: int | None = None
+    priority: int | None = None
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ _INPUTS = {
     "frequency_penalty": ("frequency_penalty", "FP32", np.float32),
     "presence_penalty": ("presence_penalty", "FP32", np.float32),
     "min_length": ("min_tokens", "INT32", np.int32),
+    "priority": ("priority", "INT32", np.int32),
 }
 OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop"}
 

@@ -60,7 +60,8 @@ class TritonMetrics:
 
         self.requests = self._gauges("morphserve_requests", "Requests by state (active = held by the model)",
                                      "state", ("active", "waiting", "scheduled"))
-        self.kv_blocks = self._gauges("morphserve_kv_cache_blocks", "KV-cache blocks", "type", ("max", "used", "free"))
+        self.kv_blocks = self._gauges("morphserve_kv_cache_blocks", "KV-cache blocks (free includes cached: cached prefix "
+                                      "blocks no request holds)", "type", ("max", "used", "free", "cached"))
         self.kv_usage = _Gauge(self._single("morphserve_kv_cache_usage_ratio", "Used / max KV-cache blocks", gauge))
         self.int4_layers = _Gauge(self._single("morphserve_int4_layers", "Decoder layers running quantized", gauge))
         self.lm_head_int8 = _Gauge(self._single("morphserve_lm_head_int8",
@@ -89,6 +90,23 @@ class TritonMetrics:
         self.invariant_violations = _Counter(self._single(
             "morphserve_invariant_violations_total", "Broken engine invariants seen (one per line per iteration)", counter))
 
+        lookups = self._labelled("morphserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix "
+                                 "cache at admission, by result", counter, "result", ("hit", "miss"))
+        self.prefix_lookups = {k: _Counter(m) for k, m in lookups.items()}
+        self.prefix_reused_tokens = _Counter(self._single(
+            "morphserve_prefix_cache_reused_tokens_total", "Prompt tokens not prefilled thanks to the prefix cache", counter))
+        self.prefix_evictions = _Counter(self._single(
+            "morphserve_prefix_cache_evictions_total", "Cached prefix blocks evicted (least recently used first)", counter))
+        self.prefix_hit_rate = _Gauge(self._single(
+            "morphserve_prefix_cache_hit_rate", "Prefix cache hits / full prompt blocks looked up, since start", gauge))
+        # Per priority class (the priority input): created when a class is first seen.
+        self._waiting_family = self._family("morphserve_requests_waiting_by_priority", "Waiting requests by priority",
+                                            gauge)
+        self._class_ttft_family = self._family("morphserve_priority_time_to_first_token_seconds",
+                                               "Time to first token by priority", hist)
+        self._class_queue_family = self._family("morphserve_priority_request_queue_time_seconds",
+                                                "Time from arrival to first schedule by priority", hist)
+        self._classes: dict[int, tuple[_Gauge, Any, Any]] = {}
         self.ttft = self._single("morphserve_time_to_first_token_seconds", "Time to first token", hist,
                                  LATENCY_BUCKETS)
         self.tpot = self._single("morphserve_time_per_output_token_seconds", "Time per output token after the first",
@@ -103,6 +121,16 @@ class TritonMetrics:
                                        hist, SWAP_BUCKETS)
         self.kv_capacity.set(kv_capacity_blocks)
         self._swaps_seen = 0  # EngineStats.swaps_timed at the last update: each swap is observed once
+
+    def _class(self, priority: int) -> tuple[_Gauge, Any, Any]:
+        """(waiting gauge, TTFT histogram, queue-time histogram) of one priority class."""
+        if priority not in self._classes:
+            labels = {**self._labels, "priority": str(priority)}
+            self._classes[priority] = (
+                _Gauge(self._waiting_family.Metric(labels=labels)),
+                self._class_ttft_family.Metric(labels=labels, buckets=LATENCY_BUCKETS),
+                self._class_queue_family.Metric(labels=labels, buckets=LATENCY_BUCKETS))
+        return self._classes[priority]
 
     def _family(self, name: str, doc: str, kind: Any) -> Any:
         family = self._pb.MetricFamily(name=name, description=doc, kind=kind)
@@ -138,12 +166,21 @@ class TritonMetrics:
         self.swap_failures.advance(stats.swap_failures)
         self.restores_called_off.advance(stats.restores_called_off)
         self.invariant_violations.advance(stats.invariant_violations)
+        self.prefix_lookups["hit"].advance(stats.prefix_cache_hit_blocks)
+        self.prefix_lookups["miss"].advance(stats.prefix_cache_miss_blocks)
+        self.prefix_reused_tokens.advance(stats.prefix_cache_reused_tokens)
+        self.prefix_evictions.advance(stats.prefix_cache_evictions)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        waiting = dict(stats.waiting_by_priority)
+        for priority in set(waiting) | set(self._classes):  # a class seen once is reported, at 0 when none waits
+            self._class(priority)[0].set(waiting.get(priority, 0))
         self.requests["active"].set(active)
         self.requests["waiting"].set(stats.waiting)
         self.requests["scheduled"].set(stats.running)
         self.kv_blocks["max"].set(stats.kv_blocks_total)
         self.kv_blocks["used"].set(stats.kv_blocks_used)
         self.kv_blocks["free"].set(stats.kv_blocks_free)
+        self.kv_blocks["cached"].set(stats.kv_blocks_cached)
         self.kv_usage.set(stats.kv_usage)
         self.int4_layers.set(stats.int4_layers)
         self.lm_head_int8.set(stats.lm_head_int8)
@@ -156,15 +193,19 @@ class TritonMetrics:
             self.swap_apply.observe(apply_s)
         self._swaps_seen = stats.swaps_timed
 
-    def request_finished(self, status: str, timings: RequestTimings | None = None, num_output_tokens: int = 0) -> None:
+    def request_finished(self, status: str, timings: RequestTimings | None = None, num_output_tokens: int = 0,
+                         priority: int = 0) -> None:
         """Count a finished request; a request rejected before it reached the engine has no timings."""
         self.requests_total[status].increment(1)
         if timings is None:
             return
+        _, class_ttft, class_queue = self._class(priority)
         if timings.scheduled is not None:
             self.queue_time.observe(max(0.0, timings.scheduled - timings.arrival))
+            class_queue.observe(max(0.0, timings.scheduled - timings.arrival))
         if timings.first_token is not None:
             self.ttft.observe(max(0.0, timings.first_token - timings.arrival))
+            class_ttft.observe(max(0.0, timings.first_token - timings.arrival))
             if timings.finished is not None and num_output_tokens > 1:
                 self.tpot.observe(max(0.0, timings.finished - timings.first_token) / (num_output_tokens - 1))
         if timings.finished is not None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 from ..controller import POLICY_NAMES, is_policy_spec
 from ..precision import LM_HEAD_PRECISIONS
+from ..sampling import PRIORITY_MAX, PRIORITY_MIN
 
 
 class ParamError(ValueError):
@@ -187,6 +188,15 @@ PARAMS: tuple[Param, ...] = (
     Param("check_invariants", "bool", "true", "engine.check_invariants",
           "Check memory, KV-block and binding invariants every iteration (~0.1 ms: docs/fused-decode.md); violations are counted and logged.",
           None),
+    Param("enable_kv_cache_reuse", "bool", "true", "engine.enable_prefix_caching",
+          "Automatic prefix caching (TensorRT-LLM's name): full KV blocks are cached by their tokens and all before "
+          "them, a request reuses the longest cached prefix instead of prefilling it, and cached blocks nobody holds "
+          "are free for anyone (least recently used evicted first). KV is reused only under the weights that "
+          "computed it.", None),
+    Param("morph_priority_cutoff", "int", str(PRIORITY_MAX), "engine.morph_priority_cutoff",
+          "Request priorities (the priority input, lower is more important) whose queue and preemptions drive "
+          "morphing: those <= this. Less important requests wait or are preempted instead of costing precision.",
+          Check(lambda v: PRIORITY_MIN <= v <= PRIORITY_MAX, f"in [{PRIORITY_MIN}, {PRIORITY_MAX}]")),
     *(Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check)
       for name, kind, doc, check in (
         ("layers_per_action", "int", "Layers swapped per morph action.", at_least(1)),

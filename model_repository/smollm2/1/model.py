@@ -54,6 +54,7 @@ INPUTS = (
     InputSpec("frequency_penalty", "float", "frequency_penalty"),
     InputSpec("presence_penalty", "float", "presence_penalty"),
     InputSpec("min_length", "int", "min_tokens"),
+    InputSpec("priority", "int", "priority"),  # vLLM's request priority: lower is more important (scheduler.py)
     InputSpec("stop_words", "texts", "stop"),
     InputSpec("stream", "bool"),
     InputSpec("exclude_input_in_output", "bool"),
@@ -327,7 +328,7 @@ class TritonPythonModel:
             status = {"error": "error", "abort": "cancelled"}.get(out.finish_reason, "success")
             if out.finish_reason == "abort" and self.closing and not live.cancelled:
                 status = "error"
-            self.metrics.request_finished(status, out.timings, out.num_output_tokens)
+            self.metrics.request_finished(status, out.timings, out.num_output_tokens, out.priority)
 
     # --- background threads -----------------------------------------------------------------------------------
     def _watch_cancellation(self) -> None:
