@@ -275,11 +275,11 @@ class LLMEngine:
             blocks_per_layer=m.blocks_per_layer,
             int4_layers=m.morphed_units,
             usage_after_shrink=m.usage_after_shrink(),
-            tpot_s=streams_tpot(s.running),
+            tpot_s=streams_tpot([r for r in s.running if r.priority <= cutoff]),
             swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.slowness_counts else False,
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
-        p.cache.set_weights(tuple(u.unit for u in m.swapped))  # KV is reused only under the weights that made it
+        p.cache.set_weights(tuple(u.unit for u in m.swapped + m.stuck))  # KV is reused only under the weights that made it
         if self.config.check_invariants:
             self._note_violations(self.check_invariants())
 
