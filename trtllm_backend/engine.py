@@ -27,6 +27,7 @@ from .fragments import FragmentStore
 from .head import head_mode
 from .invariants import BlockChecker, binding_violations, head_violations, layer_bytes, memory_violations
 from .kv_cache import KVPool
+from .logprobs import log_probs, pick
 from .manifest import Manifest
 from .model import LlamaModel
 from .morph import MorphManager
@@ -313,12 +314,16 @@ class LLMEngine:
             return
         t_step = time.monotonic()
         ids, pos, seqs, rows, samplers = [], [], [], [], []
+        scored: list[tuple[int, Request, int]] = []  # (flat row, request, position) whose next prompt token is scored
         start = 0
         for req, n in sched.scheduled:
             c = req.num_computed
             ids.extend(req.token_ids[c : c + n])
             pos.extend(range(c, c + n))
             seqs.append(SeqSlice(start, n, c + n, req.block_table))
+            if req.params.prompt_logprobs is not None:
+                first = max(c, len(req.prompt_logprobs))  # a recompute after preemption scores nothing twice
+                scored.extend((start + p - c, req, p) for p in range(first, min(c + n, len(req.prompt_ids) - 1)))
             start += n
             if c + n == req.num_tokens:
                 rows.append(start - 1)
@@ -326,12 +331,18 @@ class LLMEngine:
         plan = AttentionPlan(self.pool, seqs)
         # NOTE: every row samples in a pure decode step: no gather of the rows (a torch call that misses the
         # caches right after the layers streamed the weights through them).
-        logit_rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)
+        all_rows = rows + [r for r, _, _ in scored]
+        logit_rows = None if all_rows == list(range(len(ids))) else torch.tensor(all_rows, dtype=torch.long)
         logits = self.model.forward(torch.tensor(ids), torch.tensor(pos), plan, logit_rows)
+        if scored:
+            self._score_prompt_tokens(logits[len(rows):], scored)
+            logits = logits[: len(rows)]
         for req, n in sched.scheduled:
             req.num_computed += n
             self.counters.prompt_tokens += n if req.num_output == 0 else 0
         if samplers:
+            wants = [r for r, req in enumerate(samplers) if req.params.logprobs is not None]
+            logp = log_probs(logits[wants]) if wants else None  # NOTE: the raw distribution, before any mask
             self._mask_early_eos(logits, samplers)
             if self.on_logits is not None:
                 for r, req in enumerate(samplers):
@@ -342,18 +353,31 @@ class LLMEngine:
             now = time.monotonic()
             if any(r.timings.first_token is not None for r in samplers):  # a decode iteration: its time is a TPOT
                 self._tpot = now - t_step if not self._tpot else 0.8 * self._tpot + 0.2 * (now - t_step)
-            for req, tok in zip(samplers, tokens):
+            picked = dict(zip(wants, pick(logp, [tokens[r] for r in wants], [samplers[r].params.logprobs for r in wants]))) if wants else {}
+            for r, (req, tok) in enumerate(zip(samplers, tokens)):
                 req.token_ids.append(tok)
                 self.counters.generation_tokens += 1
                 if req.timings.first_token is None:
                     req.timings.first_token = now
-                reason = self.streams[req.request_id].add_token(tok, int4)
+                req.timings.last_token = now
+                lp = picked.get(r)
+                if lp is not None:
+                    req.cumulative_logprob += lp.logprob
+                reason = self.streams[req.request_id].add_token(tok, int4, lp)
                 if reason:
                     self._finish(req, reason)
         decodes = sum(1 for _, n in sched.scheduled if n == 1)
         self.step_budget.observe(sched.num_tokens, decodes, time.monotonic() - t_step)
         self.counters.iterations += 1
         self._publish_stats()
+
+    @staticmethod
+    def _score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[int, Request, int]]) -> None:
+        """Row i of `logits` is position p of its request: the logprob of prompt token p + 1."""
+        entries = pick(log_probs(logits), [req.prompt_ids[p + 1] for _, req, p in scored],
+                       [req.params.prompt_logprobs for _, req, _ in scored])
+        for (_, req, _), entry in zip(scored, entries):
+            req.prompt_logprobs.append(entry)
 
     def _mask_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [r for r, req in enumerate(reqs) if req.params.ignore_eos or req.num_output < req.params.min_tokens]
@@ -363,9 +387,10 @@ class LLMEngine:
             logits[torch.tensor(rows, dtype=torch.long)[:, None], self._eos_index[None, :]] = float("-inf")
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        stream = self.streams.pop(req.request_id)
+        stream.kv_reuse = req.kv_reuse(self.config.block_size)  # while it still holds its blocks
         self.scheduler.finish(req)
         req.timings.finished = time.monotonic()
-        stream = self.streams.pop(req.request_id)
         del self.requests[req.request_id]
         with self._lock:
             self._pending -= 1

@@ -6,7 +6,8 @@ from enum import Enum
 
 import torch
 
-from .outputs import RequestTimings
+from .logprobs import TokenLogprob
+from .outputs import KVReuse, RequestTimings
 from .sampling import SamplingParams
 
 
@@ -28,6 +29,10 @@ class Request:
     status: Status = Status.WAITING
     preemptions: int = 0
     generator: torch.Generator | None = None
+    # prompt_logprobs: entry i scores prompt token i + 1 (the first token has no context); filled as prefill
+    # chunks run, kept across a preemption's recompute.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # sum over the generated tokens, when params.logprobs is set
 
     def __post_init__(self):
         if not self.token_ids:
@@ -46,3 +51,11 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids) :]
+
+    def kv_reuse(self, block_size: int) -> KVReuse:
+        """How much of the prompt's KV came from the cache. NOTE: the one place that says so: there is no prefix
+        cache yet, so every prompt block is a miss and every block was newly allocated; the prefix-cache work
+        fills `reused` here."""
+        prompt_blocks = -(-len(self.prompt_ids) // block_size)
+        blocks = len(self.block_table)
+        return KVReuse(reused_blocks=0, missed_blocks=prompt_blocks, new_blocks=blocks, total_blocks=blocks)

@@ -8,6 +8,7 @@ import torch
 from plugins.argmax import argmax_rows
 
 from .errors import InvalidRequest
+from .logprobs import MAX_TOP_LOGPROBS
 
 
 @dataclass(slots=True)
@@ -24,6 +25,10 @@ class SamplingParams:
     # frequency_penalty * count + presence_penalty * (count > 0). Negative values encourage repetition.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Log probabilities (trtllm_backend/logprobs.py says of which distribution): None = not computed; k >= 0 =
+    # each generated (or, for prompt_logprobs, prompt) token's logprob and its k most likely alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -53,6 +58,11 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (-2.0 <= value <= 2.0):
                 raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise InvalidRequest(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {value!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop", "must be a list of non-empty strings")
 
