@@ -239,7 +239,7 @@ class LLMEngine:
                 return
             if kind == "add":
                 self.requests[item.request_id] = item
-                self.streams[item.request_id] = OutputStream(item, self.tokenizer, cb)
+                self.streams[item.request_id] = OutputStream(item, self.tokenizer, cb, self.config.block_size)
                 self.scheduler.add(item)
             elif kind == "abort" and item in self.requests:
                 self._finish(self.requests[item], "abort")

@@ -49,6 +49,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when params.logprobs is set
     # On the first output, when params.prompt_logprobs is set: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
     cumulative_logprob: float | None = None  # over every generated token so far, when params.logprobs is set
     kv_reuse: KVReuse | None = None
 

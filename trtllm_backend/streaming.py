@@ -13,8 +13,10 @@ log = logging.getLogger(__name__)
 
 
 class OutputStream:
-    def __init__(self, req: Request, tokenizer: Tokenizer, on_output: Callable[[RequestOutput], None]):
+    def __init__(self, req: Request, tokenizer: Tokenizer, on_output: Callable[[RequestOutput], None],
+                 block_size: int = 16):
         self.req = req
+        self.block_size = block_size
         self.tokenizer = tokenizer
         self.on_output = on_output
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids)
@@ -82,8 +84,9 @@ class OutputStream:
             stop_reason=self.stop_reason if final else None,
             logprobs=self.pending_logprobs,
             prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=list(req.prompt_ids) if prompt_logprobs is not None else None,
             cumulative_logprob=req.cumulative_logprob if p.logprobs is not None else None,
-            kv_reuse=self.kv_reuse,
+            kv_reuse=self.kv_reuse or req.kv_reuse(self.block_size),
         )
         self.pending_ids, self.pending_int4, self.pending_logprobs = [], [], []
         try:
