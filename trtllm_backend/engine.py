@@ -38,6 +38,7 @@ from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .step_budget import StepBudget
+from .structured import GrammarCompiler, MaskBatch, advance
 from .streaming import OutputStream
 
 log = logging.getLogger("morphserve.engine")
@@ -88,6 +89,8 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
+        self._compiler: GrammarCompiler | None = None  # built at the first structured request (~1 s)
+        self._masks = MaskBatch()
         # The policy counts units: the layers, and the tied embedding / LM head where it morphs too.
         head = head_mode(config.lm_head_precision, self.manifest)
         units = mc.num_layers + (1 if head == HEAD_DYNAMIC else 0)
@@ -104,15 +107,22 @@ class LLMEngine:
         if not self._accepting:
             raise QueueFull("engine is shutting down")
         prompt_ids = self._validate(prompt, params)
+        matcher = self._grammars().matcher(params.guide) if params.guide is not None else None
         with self._lock:
             if self._pending - self._stats.running >= self.config.max_queue_size:
                 raise QueueFull(f"waiting queue is full (max_queue_size={self.config.max_queue_size})")
             self._pending += 1
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, prompt_ids, params, RequestTimings(arrival=time.monotonic()))
+        req = Request(rid, prompt_ids, params, RequestTimings(arrival=time.monotonic()), matcher=matcher)
         self._inbox.put(("add", req, on_output))
         self._wake.set()
         return rid
+
+    def _grammars(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer.to_json(), self.manifest.config.vocab_size, self._eos_ids)
+            return self._compiler
 
     def abort(self, request_id: str) -> bool:
         self._inbox.put(("abort", request_id, None))
@@ -344,6 +354,8 @@ class LLMEngine:
             wants = [r for r, req in enumerate(samplers) if req.params.logprobs is not None]
             logp = log_probs(logits[wants]) if wants else None  # NOTE: the raw distribution, before any mask
             self._mask_early_eos(logits, samplers)
+            guided = [r for r, req in enumerate(samplers) if req.matcher is not None]
+            self._masks.apply(logits, guided, [samplers[r].matcher for r in guided])
             if self.on_logits is not None:
                 for r, req in enumerate(samplers):
                     self.on_logits(req.request_id, logits[r])
@@ -360,6 +372,8 @@ class LLMEngine:
                 if req.timings.first_token is None:
                     req.timings.first_token = now
                 req.timings.last_token = now
+                if req.matcher is not None:
+                    advance(req.matcher, tok)
                 lp = picked.get(r)
                 if lp is not None:
                     req.cumulative_logprob += lp.logprob

@@ -33,6 +33,7 @@ class Request:
     # chunks run, kept across a preemption's recompute.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # sum over the generated tokens, when params.logprobs is set
+    matcher: object | None = None  # the guide's grammar state (llguidance.LLMatcher), when params.guide is set
 
     def __post_init__(self):
         if not self.token_ids:

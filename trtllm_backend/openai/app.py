@@ -208,7 +208,8 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None, text
         gen = Generation(prompt, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                          stop=tuple(req.stop_list), seed=req.seed, frequency_penalty=req.frequency_penalty,
                          presence_penalty=req.presence_penalty, min_tokens=req.min_output,
-                         logprobs=req.alternatives, prompt_logprobs=echo and req.alternatives is not None)
+                         logprobs=req.alternatives, prompt_logprobs=echo and req.alternatives is not None,
+                         guide=req.guide)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         call = _Call(kind, req.model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), arrival,
                      texts=texts if req.alternatives is not None else None, echo=prompt if echo else "")

@@ -7,6 +7,7 @@ every refusal is a 400 naming the field.
 """
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -59,8 +60,26 @@ class ChatMessage(_Strict):
         return {"role": role, "content": self.text} | ({"name": self.name} if self.name else {})
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # the schema is always enforced: structured outputs are constrained decoding
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]  # json_object / json_schema: see GenerationRequest.check
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guide(self) -> tuple[str, str] | None:
+        """(the Triton model's guided_decoding_guide_type, its guide), or None for free text."""
+        if self.type == "json_object":
+            return "json", ""
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise bad_param("response_format.json_schema.schema", "is required for type json_schema")
+            return "json_schema", json.dumps(self.json_schema.schema_)
+        return None
 
 
 class GenerationRequest(_Strict):
@@ -111,11 +130,20 @@ class GenerationRequest(_Strict):
             raise bad_param("ignore_eos", f"needs {limit_field}: it generates until that limit")
         if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
             raise bad_param("min_tokens", f"{self.min_tokens} is above {limit_field} ({limit})")
+        if self.guide is not None and (self.ignore_eos or self.min_tokens):
+            raise bad_param("ignore_eos" if self.ignore_eos else "min_tokens",
+                            "cannot be combined with response_format (the schema decides where the output ends)")
 
     @property
     def alternatives(self) -> int | None:
         """Log probs asked for: None, or how many alternatives per token."""
         return None
+
+    @property
+    def guide(self) -> tuple[str, str] | None:
+        """Structured output asked for (response_format), as the Triton model's guide type and guide."""
+        response_format = getattr(self, "response_format", None)
+        return response_format.guide() if response_format is not None else None
 
     @property
     def min_output(self) -> int | None:

@@ -37,6 +37,7 @@ class Generation:
     min_tokens: int | None = None
     logprobs: int | None = None  # None: none; k: each token's logprob and its k most likely alternatives
     prompt_logprobs: bool = False  # the prompt's tokens scored too (with the same k)
+    guide: tuple[str, str] | None = None  # structured output: (guided_decoding_guide_type, guided_decoding_guide)
 
 
 Alternatives = list[tuple[int, float]]  # (token id, logprob), most likely first
@@ -69,7 +70,9 @@ _INPUTS = {
     "presence_penalty": ("presence_penalty", "FP32", np.float32),
     "min_length": ("min_tokens", "INT32", np.int32),
 }
-OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop", "top_logprobs": "logprobs"}
+OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop", "top_logprobs": "logprobs",
+                                                                    "guided_decoding_guide": "response_format",
+                                                                    "guided_decoding_guide_type": "response_format"}
 
 
 def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
@@ -92,6 +95,11 @@ def build_inputs(gen: Generation) -> list[InferInput]:
         tensors.append(_tensor("top_logprobs", np.array([[gen.logprobs]], dtype=np.int32), "INT32"))
     if gen.prompt_logprobs:
         tensors.append(_tensor("return_prompt_log_probs", np.array([[True]]), "BOOL"))
+    if gen.guide is not None:
+        kind, guide = gen.guide
+        tensors.append(_tensor("guided_decoding_guide_type", np.array([[kind.encode()]], dtype=np.object_), "BYTES"))
+        if guide:
+            tensors.append(_tensor("guided_decoding_guide", np.array([[guide.encode()]], dtype=np.object_), "BYTES"))
     return tensors
 
 

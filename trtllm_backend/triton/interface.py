@@ -20,6 +20,7 @@ from ..errors import InvalidRequest
 from ..logprobs import TokenLogprob
 from ..outputs import KVReuse, RequestOutput, RequestTimings
 from ..sampling import SamplingParams
+from ..structured import Guide
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,11 @@ INPUTS = (
         "(`output_top_logprobs`, `output_top_ids`); implies `return_log_probs`."),
     _in("return_prompt_log_probs", None, "bool", B, doc="true: the prompt tokens' logprobs too (`prompt_ids`, "
         "`prompt_log_probs`, and with `top_logprobs` the alternatives), on the first response."),
+    _in("guided_decoding_guide_type", None, "text", S, doc="Structured output: `json` (any JSON object), `json_schema`, "
+        "`regex` or `ebnf_grammar` (GBNF or Lark; `lark` is the same); the output is constrained to match "
+        "`guided_decoding_guide`."),
+    _in("guided_decoding_guide", None, "text", S, doc="The schema (JSON text), regular expression or grammar; "
+        "not needed for `json`."),
     _in(None, "return_finish_reason", "bool", B, doc="Accepted: `finish_reason` is always returned."),
     _in(None, "return_stop_reason", "bool", B, doc="true: `stop_reason`, the stop string that ended the output."),
     _in(None, "return_cumulative_logprob", "bool", B, doc="true: `cumulative_logprob` of the generated tokens."),
@@ -95,7 +101,10 @@ LLMAPI_ONLY = frozenset(s.llmapi for s in INPUTS if s.llmapi and s.llmapi != s.t
 INPUT_OF_FIELD = {"max_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                   "seed": "random_seed", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
                   "min_tokens": "min_length", "stop": "stop_words", "logprobs": "top_logprobs",
-                  "prompt_logprobs": "top_logprobs", "prompt": "text_input", "text": "text_input"}
+                  "prompt_logprobs": "top_logprobs", "prompt": "text_input", "text": "text_input",
+                  "guide": "guided_decoding_guide"}
+# guided_decoding_guide_type -> the engine's Guide type (TensorRT-LLM's names; structural_tag is not served)
+GUIDE_TYPES = {"json": "json", "json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar", "lark": "grammar"}
 
 
 def _bad(name: str, message: str) -> InvalidRequest:
@@ -200,6 +209,13 @@ def decode_request(arrays: dict[str, np.ndarray], defaults: dict) -> Decoded:
         perf_metrics=bool(flags.get("sampling_param_return_perf_metrics")),
     )
     sampling = dict(defaults) | fields
+    if "guided_decoding_guide_type" in flags:
+        kind = flags["guided_decoding_guide_type"]
+        if kind not in GUIDE_TYPES:
+            raise _bad("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+        sampling["guide"] = Guide(GUIDE_TYPES[kind], flags.get("guided_decoding_guide", ""))
+    elif "guided_decoding_guide" in flags:
+        raise _bad("guided_decoding_guide", "needs guided_decoding_guide_type")
     if returns.log_probs or returns.cumulative_logprob:
         sampling["logprobs"] = returns.top_logprobs
     if returns.prompt_log_probs:
