@@ -176,6 +176,33 @@ def test_fields_sdks_send_by_default_are_accepted(client):
     assert done.usage.completion_tokens == 2
 
 
+def test_json_schema_and_json_object_outputs_parse_and_validate(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "age": {"type": "integer", "minimum": 0},
+                                               "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                                           "maxItems": 3}},
+              "required": ["name", "age", "hobbies"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    done = client.chat.completions.create(model=MODEL, messages=chat("Invent a person."), max_tokens=96, response_format=fmt)
+    assert done.choices[0].finish_reason == "stop", done.choices[0].message.content
+    jsonschema.validate(json.loads(done.choices[0].message.content), schema)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat("Invent a person."), max_tokens=96,
+                                                 response_format=fmt, stream=True, temperature=0.8, seed=3))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
+    anything = client.chat.completions.create(model=MODEL, messages=chat("Give me JSON about cats."), max_tokens=64,
+                                              response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    else:
+        assert anything.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}})
+    assert e.value.body["param"] == "response_format", e.value.body
+
+
 def test_the_responses_api_gets_a_clear_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL, input="hi")

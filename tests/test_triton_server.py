@@ -305,6 +305,30 @@ def test_log_probs_over_grpc_with_alternatives_and_the_prompt(triton_server):
     assert pieces[1].as_numpy("prompt_log_probs") is None  # the prompt's scores come once
 
 
+def test_guided_decoding_over_grpc_matches_the_schema(triton_server):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    prompt = "<|im_start|>user\nDescribe Paris as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    r = stream_generate_guided(triton_server, prompt, "json_schema", json.dumps(schema))
+    assert r.error is None, r.error
+    jsonschema.validate(json.loads(r.text), schema)
+    bad = stream_generate_guided(triton_server, prompt, "json_schema", "{not json")
+    assert bad.error and bad.error.startswith("guided_decoding_guide: "), bad.error
+    bad = stream_generate_guided(triton_server, prompt, "structural_tag", "{}")
+    assert bad.error and bad.error.startswith("guided_decoding_guide_type: "), bad.error
+
+
+def stream_generate_guided(triton_server, prompt: str, kind: str, guide: str) -> StreamResult:
+    s = GrpcStream(triton_server.grpc_url)
+    try:
+        return s.request(inputs(text_input=prompt, max_tokens=64, stream=True) + named(
+            guided_decoding_guide_type=kind, guided_decoding_guide=guide))
+    finally:
+        s.close()
+
+
 # --- 16 concurrent clients vs. offline greedy -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def offline_engine():
