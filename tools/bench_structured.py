@@ -9,7 +9,8 @@
    advances the matchers (`fill_ms`, the library's own share: median per step), and the schema's compile time.
    For llguidance also `step_ms`: the engine's whole masking path (fill, unpack, apply to [batch, vocab] logits).
 2. The engine, A/B in turns: `--batch` requests decoding together, unconstrained, then the same prompts under the
-   schema (the project's llguidance path), `--rounds` times; median decode step time of each, and the ratio.
+   schema (the project's llguidance path), `--rounds` times; median decode step time of each, their ratio, and
+   the masking's share of each constrained step measured inside that step (robust to a loaded machine).
 """
 from __future__ import annotations
 
@@ -112,35 +113,60 @@ def bench_xgrammar(vocab_bytes: list[bytes], eos: list[int], ids: list[int], bat
 
 
 def engine_ab(engine, batch: int, rounds: int, max_tokens: int) -> dict:
-    """Median decode step (ms) of `batch` requests unconstrained and under SCHEMA, in turns."""
+    """Median decode step (ms) of `batch` requests unconstrained and under SCHEMA, in turns; and, within each
+    constrained step, the time its masking took (fill + unpack + apply + advance) as a share of that same step
+    (a ratio taken step by step, so the machine's load hits both parts alike)."""
+    import trtllm_backend.engine as engine_module
     from trtllm_backend.sampling import SamplingParams
     from trtllm_backend.structured import Guide
 
     prompt = engine.tokenizer.chat_prompt(PROMPT)
     times: dict[str, list[float]] = {"free": [], "json_schema": []}
-    step = engine.step
+    shares: list[float] = []
+    masking = [0.0]
+    step, apply, advance = engine.step, engine._masks.apply, engine_module.advance
+
+    def timed_apply(*a):
+        t = time.perf_counter()
+        apply(*a)
+        masking[0] += time.perf_counter() - t
+
+    def timed_advance(*a):
+        t = time.perf_counter()
+        advance(*a)
+        masking[0] += time.perf_counter() - t
 
     def timed(kind: str):
         def run():
             decoding = all(r.num_computed == r.num_tokens - 1 for r in engine.scheduler.running)
+            masking[0] = 0.0
             t = time.perf_counter()
             step()
+            took = time.perf_counter() - t
             if decoding and len(engine.scheduler.running) == batch:
-                times[kind].append(time.perf_counter() - t)
+                times[kind].append(took)
+                if kind == "json_schema":
+                    shares.append(masking[0] / took)
         return run
 
-    for _ in range(rounds):
-        for kind in times:
-            guide = Guide("json_schema", json.dumps(SCHEMA)) if kind == "json_schema" else None
-            for i in range(batch):
-                engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, guide=guide),
-                                   lambda o: None)
-            engine.step = timed(kind)
-            engine.run_until_idle()
-            engine.step = step
+    engine._masks.apply, engine_module.advance = timed_apply, timed_advance
+    try:
+        for _ in range(rounds):
+            for kind in times:
+                guide = Guide("json_schema", json.dumps(SCHEMA)) if kind == "json_schema" else None
+                for i in range(batch):
+                    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, guide=guide),
+                                       lambda o: None)
+                engine.step = timed(kind)
+                engine.run_until_idle()
+                engine.step = step
+    finally:
+        engine._masks.apply, engine_module.advance = apply, advance
     free, guided = _median_ms(times["free"]), _median_ms(times["json_schema"])
     return {"free_step_ms": free, "json_schema_step_ms": guided, "steps": {k: len(v) for k, v in times.items()},
-            "overhead": round(guided / free - 1, 4)}
+            "step_ratio": round(guided / free, 4),
+            "masking_share_of_step": {"median": round(statistics.median(shares), 4),
+                                      "p90": round(sorted(shares)[int(0.9 * (len(shares) - 1))], 4)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = TokenTexts.from_fragments(engine.config.fragment_dir)
     vocab_bytes = [texts.bytes(i) for i in range(vocab)]
     ids = engine.tokenizer.encode(json.dumps(DOCUMENT, separators=(", ", ": "))) + [eos[0]]
-    result = {"batch": args.batch, "document_tokens": len(ids), "libraries": {}}
+    result = {"batch": args.batch, "document_tokens": len(ids), "libraries": {},
+              "load_average_before": list(__import__("os").getloadavg())}
     result["libraries"]["llguidance"] = bench_llguidance(engine.tokenizer.to_json(), vocab, eos, ids, args.batch)
     result["libraries"]["outlines-core"] = bench_outlines(vocab_bytes, eos[0], ids, args.batch)
     try:
