@@ -9,7 +9,6 @@ joins them all; so does a drain the launcher asks for on SIGTERM (trtllm_backend
 import itertools
 import json
 import logging
-import math
 import os
 import queue
 import sys
@@ -17,7 +16,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 try:  # installed into the stub's environment: the venv's editable install, a .pth file in the Docker images
