@@ -283,6 +283,11 @@ def test_llmapi_names_over_http_and_refusals_by_name(triton_server):
         status, body = http_post(triton_server, "generate", {"text_input": "Hi"} | bad)
         assert status == 400 and f"{name}: " in body, body
     assert stream_generate(triton_server.grpc_url, "Hi", 2).error is None  # the server carries on
+    status, body = http_post(triton_server, "generate", {"text_input": "The capital of France is", "max_tokens": 3,
+                                                         "top_logprobs": 2, "exclude_input_in_output": True})
+    assert status == 200, body
+    out = json.loads(body)  # the [1, n, k] alternatives come back over HTTP too
+    assert len(out["output_log_probs"]) == 3 and len(out["output_top_logprobs"]) in (3, 6), out
 
 
 def test_log_probs_over_grpc_with_alternatives_and_the_prompt(triton_server):
