@@ -18,6 +18,13 @@ generate: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# The model-free tier, about a minute of CPU time: no set-up step, so it runs on a clean checkout in any
+# Python with the test packages (the venv's when there is one; `pip install -e ".[test]"` otherwise). The markers:
+# pyproject.toml; what each tier holds: tests/README.md.
+.PHONY: test-fast
+test-fast:
+	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m "not needs_model and not server and not soak" tests
+
 bench: setup
 	$(PY) -m tools.bench_engine --json results/bench_engine.json
 	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/bench_engine_fp16.json
@@ -71,6 +78,11 @@ openai: setup
 soak: setup
 	$(PY) -m tools.soak --minutes 10 --out results/reliability
 	MORPHSERVE_SOAK=1 $(PY) -m pytest -q -s tests/test_fuzz_server.py
+
+.PHONY: soak-hour
+# The hour above capacity (issue targets: nothing lost, RSS slope within +-0.1 MiB/min, handles flat).
+soak-hour: setup
+	$(PY) -m tools.soak --minutes 60 --out results/reliability/hour
 
 # The GPU check (docs/gpu-check.md): exactness, decode tok/s beside the bandwidth floor, swaps and a burst at
 # Llama-3.1-8B's shape, into results/gpu/gpu_check.json. Needs a CUDA GPU and only torch, numpy, safetensors,

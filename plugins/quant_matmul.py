@@ -92,7 +92,7 @@ def dequantize_int8(tensors: dict[str, Tensor], prefix: str = "") -> Tensor:
 # ---------------------------------------------------------------- runtime operators
 
 def _bf16_call(fn, x: Tensor, out_features: int) -> Tensor:
-    # The CPU int4/int8 kernels are 3-14x slower with fp32 activations than with bf16 ones (DESIGN.md §4).
+    # The CPU int4/int8 kernels are 3-14x slower with fp32 activations than with bf16 ones.
     lead = x.shape[:-1]
     y = fn(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
     return y.to(torch.float32).reshape(*lead, out_features)
@@ -119,7 +119,7 @@ def _set_kernel_setting(what: str, table: dict[str, int], name: str, op: str) ->
 # in float32 or with bfloat16 inputs and fp32 accumulation (MKL's bf16 GEMM, ~4.4x faster where the CPU has
 # AVX512_BF16), or `decode`: the decode tiles, 32 rows at a time, so every prompt row gets the numerics a decode
 # row gets (int8 activations per int4_activations; on AVX-512 VNNI 1.3-1.9x faster than the bf16 GEMM at
-# 128-512 rows, docs/fused-decode.md).
+# 128-512 rows, docs/history/fused-decode.md).
 INT4_PREFILL = {"float32": 0, "bfloat16": 1, "decode": 2}
 
 

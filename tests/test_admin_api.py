@@ -192,7 +192,7 @@ def _echo(client, module) -> str:
     return client.infer("echo", [inp]).as_numpy("text_output")[0].decode()
 
 
-@pytest.mark.slow
+@pytest.mark.server
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_without_the_key_the_admin_apis_refuse_and_inference_works(server, protocol, region):
     module, url = (httpclient, server.http_url) if protocol == "http" else (grpcclient, server.grpc_url)
@@ -240,7 +240,7 @@ def test_without_the_key_the_admin_apis_refuse_and_inference_works(server, proto
     client.close()
 
 
-@pytest.mark.slow
+@pytest.mark.server
 def test_a_wrong_key_is_refused(server):
     client = httpclient.InferenceServerClient(server.http_url)
     _refused(client.update_log_settings, {"log_verbose_level": 1}, headers=admin.headers("not-the-key"))
@@ -248,7 +248,7 @@ def test_a_wrong_key_is_refused(server):
     _refused(grpc.update_log_settings, {"log_verbose_level": 1}, headers=admin.headers("not-the-key"))
 
 
-@pytest.mark.slow
+@pytest.mark.server
 def test_an_operator_key_and_open_admin(toy_repo, monkeypatch):
     monkeypatch.setenv(admin.ADMIN_KEY_ENV, "operators-own-key")
     with _launch(toy_repo) as handle:

@@ -7,7 +7,8 @@ import torch
 from plugins import argmax, cpu_kernels
 
 ns = cpu_kernels.ops()
-needs_kernels = pytest.mark.skipif(ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built'}")
+needs_kernels = pytest.mark.skipif(
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
 
 
 def _cases() -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
+@pytest.mark.needs_model
 def test_interleaved_policies_time_every_policy_per_round_and_give_the_ratio_with_its_range():
     out = bench_engine.interleaved_policies(_args(), rounds=2, steps=2)
     assert [row["batch"] for row in out["batches"]] == [1, 3]
@@ -29,11 +30,13 @@ def test_interleaved_policies_time_every_policy_per_round_and_give_the_ratio_wit
     assert "share_of_floor" not in out["batches"][1]
 
 
+@pytest.mark.needs_model
 def test_interleaving_refuses_policies_whose_suffix_sets_process_wide_kernel_settings():
     with pytest.raises(SystemExit, match="process-wide"):
         bench_engine.interleaved_policies(_args(policy=["full", "int4@avx2"]), rounds=1)
 
 
+@pytest.mark.needs_model
 def test_prefill_ab_times_both_int4_prefill_paths_and_restores_the_setting():
     from plugins import quant_matmul
 
@@ -49,11 +52,12 @@ def test_prefill_ab_times_both_int4_prefill_paths_and_restores_the_setting():
     assert all(r["bfloat16_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
 
 
+@pytest.mark.needs_model
 def test_prefetch_ab_times_both_settings_and_puts_the_built_in_distance_back():
     from plugins import cpu_kernels
 
     if cpu_kernels.ops() is None:
-        pytest.skip("no C++ kernels")
+        pytest.skip("no C++ kernels: run make setup")
     engine = bench_engine.make_engine(_args(policy=["int4"]), "int4")
     rows = bench_engine.ab_table(engine, [1, 2], bench_engine.use_prefetch, "INT4 prefetch A/B", "off", "on", steps=2)
     assert [r["batch"] for r in rows] == [1, 2]
@@ -61,11 +65,12 @@ def test_prefetch_ab_times_both_settings_and_puts_the_built_in_distance_back():
     assert cpu_kernels.ops().int4_prefetch(-1) == bench_engine.DEFAULT_PREFETCH > 0
 
 
+@pytest.mark.needs_model
 def test_dense_prefetch_ab_times_both_settings_and_leaves_it_on():
     from plugins import cpu_kernels
 
     if cpu_kernels.ops() is None:
-        pytest.skip("no C++ kernels")
+        pytest.skip("no C++ kernels: run make setup")
     engine = bench_engine.make_engine(_args(policy=["full"]), "full")
     rows = bench_engine.ab_table(engine, [1, 3], bench_engine.use_dense_prefetch, "dense prefetch A/B", "off", "on",
                                  steps=2)
@@ -74,13 +79,14 @@ def test_dense_prefetch_ab_times_both_settings_and_leaves_it_on():
     assert cpu_kernels.ops().dense_prefetch(-1) == 1
 
 
+@pytest.mark.needs_model
 def test_a_long_context_step_counts_its_cached_kv_and_the_kv_prefetch_ab_leaves_it_on():
     import torch
 
     from plugins import cpu_kernels
 
     if cpu_kernels.ops() is None:
-        pytest.skip("no C++ kernels")
+        pytest.skip("no C++ kernels: run make setup")
     engine = bench_engine.make_engine(_args(policy=["int4"], threads=2, kv_cache_dtype="float16"), "int4")
     assert engine.pool.dtype == torch.float16  # the served default pool, asked for
     step, kv = bench_engine.decode_step_time(engine, 1, steps=2, context=90)
@@ -94,6 +100,7 @@ def test_a_long_context_step_counts_its_cached_kv_and_the_kv_prefetch_ab_leaves_
     assert cpu_kernels.ops().kv_prefetch(-1) == 1
 
 
+@pytest.mark.needs_model
 def test_a_batch_whose_prompts_do_not_decode_together_in_the_pool_is_refused():
     from trtllm_backend.config import EngineConfig
     from trtllm_backend.engine import LLMEngine

@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import pytest
 import torch
 from engine_fixtures import fragment_dir
 from safetensors.torch import save_file
@@ -24,6 +25,7 @@ def test_rope_layout_normalisation_inverts_llama_cpp():
     assert torch.equal(interleaved_to_half_split(llama_cpp_permute(w, 9), 9), w)
 
 
+@pytest.mark.needs_model
 def test_hf_checkpoint_imports_to_the_same_fragments(tmp_path):
     src = Manifest(fragment_dir())
     layers = 2
@@ -60,6 +62,7 @@ def test_hf_checkpoint_imports_to_the_same_fragments(tmp_path):
     assert not fragments_ok(out)
 
 
+@pytest.mark.needs_model
 def test_read_safetensors_matches_the_reference_loader():
     from safetensors.torch import load_file
 

@@ -13,6 +13,8 @@ from trtllm_backend.errors import FragmentError
 from trtllm_backend.manifest import HEAD_UNIT, MANIFEST, Manifest, write_manifest
 from trtllm_backend.precision import Precision
 
+pytestmark = pytest.mark.needs_model
+
 
 @pytest.fixture
 def old_set(tmp_path):

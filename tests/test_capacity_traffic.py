@@ -32,7 +32,7 @@ def test_seeds_thin_differently(kind):
 def test_every_request_fits_its_bound(kind):
     reqs, _ = kind.requests(kind.start_rate_scale, 0)
     assert max(r.prompt_tokens + r.output_tokens for r in reqs) <= kind.max_tokens()
-    # the short kinds fit the smallest pool mapped; conv-kv's requests hold real KV (DESIGN.md section 8)
+    # the short kinds fit the smallest pool mapped; conv-kv's requests hold real KV (docs/benchmarks.md)
     assert kind.max_tokens() <= (640 if kind.name == "conv-kv" else 256)
 
 

@@ -12,9 +12,11 @@ from trtllm_backend.kv_cache import KVPool
 from trtllm_backend.manifest import ModelConfig
 
 ns = cpu_kernels.ops()
-needs_kernels = pytest.mark.skipif(ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built'}")
+needs_kernels = pytest.mark.skipif(
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
 
 
+@pytest.mark.needs_model
 def test_kernels_are_built_where_the_cpu_supports_them():
     # The set-up step builds them; a missing library on an AVX2 machine would silently cost 1.5-2x in decode.
     if cpu_kernels.unsupported_reason() is None:

@@ -144,6 +144,7 @@ def test_a_stack_of_layers_is_one_call_per_run_of_fusable_layers_and_bitwise_the
         assert all(torch.equal(a, b) for a, b in zip(outs["0"][1], outs["1"][1])), name
 
 
+@pytest.mark.needs_model
 @needs_kernels
 def test_engine_decode_logits_are_bitwise_the_same_fused_or_not(monkeypatch):
     from engine_fixtures import PROMPTS, make_engine

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "deploy"))
 import sizing  # noqa: E402  (deploy/ is a folder of manifests and this script, not a package)
 
 
+@pytest.mark.needs_model
 def test_layer_shape_arithmetic_matches_the_measured_fragments():
     """The parameter count of a layer, times 4 bytes, is the stored full fragment (plus a small file header)."""
     m = sizing.measured_model()
@@ -22,6 +23,7 @@ def test_layer_shape_arithmetic_matches_the_measured_fragments():
     assert m["kv_tokens_per_swap"] == pytest.approx((m["full_bytes"] - m["int4_bytes"]) / m["kv_bytes_per_token"])
 
 
+@pytest.mark.needs_model
 def test_llama3_8b_numbers():
     shape = sizing.MODELS["Llama-3.1-8B"]
     assert shape.layer_params() * shape.layers + shape.shared_params() == pytest.approx(8.03e9, rel=0.01)
@@ -58,6 +60,7 @@ def test_cover_seconds():
     assert sizing.cover_seconds(10_000, 4, 0.0, 1000) == float("inf")
 
 
+@pytest.mark.needs_model
 def test_bad_inputs_name_the_problem(tmp_path, capsys):
     with pytest.raises(sizing.SizingError, match="engine benchmark not found"):
         sizing.measured_swaps(tmp_path / "missing.json")
@@ -76,6 +79,7 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
     assert "engine benchmark not found" in capsys.readouterr().err
 
 
+@pytest.mark.needs_model
 def test_markdown_tables():
     text = sizing.markdown(sizing.report())
     assert text.count("| Llama-3.1-8B |") == len(sizing.GPUS)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from plugins import cpu_kernels, elementwise
 
 ns = cpu_kernels.ops()
-needs_kernels = pytest.mark.skipif(ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built'}")
+needs_kernels = pytest.mark.skipif(
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
 EPS = 1e-5
 
 

@@ -27,6 +27,7 @@ def add(engine, n, max_tokens=50):
     return finals, done
 
 
+@pytest.mark.needs_model
 def test_abort_all_on_the_calling_thread():
     engine = make_engine()
     finals, _ = add(engine, 3)
@@ -37,6 +38,7 @@ def test_abort_all_on_the_calling_thread():
     assert engine.pool.num_used == 0 and not engine.scheduler.has_work() and not engine.requests
 
 
+@pytest.mark.needs_model
 def test_abort_all_with_the_engine_thread_running():
     engine = make_engine()
     engine.start()
@@ -50,11 +52,13 @@ def test_abort_all_with_the_engine_thread_running():
     assert engine.pool.num_used == 0
 
 
+@pytest.mark.needs_model
 def test_force_morph_is_checked_when_the_config_is_made():
     with pytest.raises(ValueError, match="force_morph: cannot parse 'sideways:2@1'"):
         EngineConfig(fragment_dir=str(fragment_dir()), force_morph="down:1@0,sideways:2@1")
 
 
+@pytest.mark.needs_model
 def test_forced_swaps_settle_and_stats_read_without_side_effects(layer_set):
     engine = make_engine(force_morph="down:2@0", fragment_dir=str(layer_set))
     assert engine.num_quantized_layers() == 0  # nothing happens before an iteration
@@ -72,6 +76,7 @@ def test_forced_swaps_settle_and_stats_read_without_side_effects(layer_set):
     assert all(s == 2 for o in outs for s in o.int4_layers)
 
 
+@pytest.mark.needs_model
 def test_settle_morph_refuses_while_the_engine_thread_runs():
     engine = make_engine()
     engine.start()

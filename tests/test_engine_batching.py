@@ -2,6 +2,8 @@
 import pytest
 from engine_fixtures import PROMPTS, assert_same_up_to_near_tie, make_engine, run_greedy
 
+pytestmark = pytest.mark.needs_model
+
 MAX_TOKENS = 24
 
 

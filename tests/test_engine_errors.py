@@ -26,6 +26,7 @@ def engine():
         ("hi", {"max_tokens": 600}, "max_tokens"),  # beyond the pool
     ],
 )
+@pytest.mark.needs_model
 def test_bad_requests_name_the_field(engine, prompt, params, field):
     before = engine.pool.num_free
     with pytest.raises(InvalidRequest) as e:
@@ -34,6 +35,7 @@ def test_bad_requests_name_the_field(engine, prompt, params, field):
     assert engine.pool.num_free == before and not engine.scheduler.has_work()
 
 
+@pytest.mark.needs_model
 def test_queue_cap_refuses_at_once_and_keeps_accepted_requests(engine):
     outs = []
     for _ in range(3):
@@ -44,6 +46,7 @@ def test_queue_cap_refuses_at_once_and_keeps_accepted_requests(engine):
     assert sum(o.finished for o in outs) == 3
 
 
+@pytest.mark.needs_model
 def test_abort_frees_blocks_within_an_iteration(engine):
     outs = []
     rid = engine.add_request("Once upon a time", SamplingParams(max_tokens=100, ignore_eos=True), outs.append)
@@ -55,6 +58,7 @@ def test_abort_frees_blocks_within_an_iteration(engine):
     assert engine.pool.num_used == 0 and outs[-1].finished and outs[-1].finish_reason == "abort"
 
 
+@pytest.mark.needs_model
 def test_stop_string_min_tokens_and_max_tokens(engine):
     text = "".join(o.text for o in engine.generate("The capital of France is", SamplingParams(max_tokens=10, stop=["."])))
     assert text == " Paris"
@@ -64,6 +68,7 @@ def test_stop_string_min_tokens_and_max_tokens(engine):
     assert outs[-1].num_output_tokens == 12
 
 
+@pytest.mark.needs_model
 def test_engine_thread_serves_and_shuts_down(engine):
     engine.start()
     try:
@@ -85,6 +90,7 @@ def copy_fragments(tmp_path):
     return src, dst
 
 
+@pytest.mark.needs_model
 def test_corrupt_fragment_fails_the_load_naming_the_file(tmp_path):
     src, dst = copy_fragments(tmp_path)
     bad = dst / "layer_007.full.safetensors"
@@ -96,6 +102,7 @@ def test_corrupt_fragment_fails_the_load_naming_the_file(tmp_path):
         LLMEngine(EngineConfig(fragment_dir=str(dst)))
 
 
+@pytest.mark.needs_model
 def test_missing_fragment_fails_the_load_naming_the_file(tmp_path):
     _, dst = copy_fragments(tmp_path)
     (dst / "layer_003.full.safetensors").unlink()

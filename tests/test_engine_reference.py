@@ -7,6 +7,8 @@ from engines.gguf_import import embedded_model_path
 from trtllm_backend.attention import AttentionPlan, SeqSlice
 from trtllm_backend.sampling import SamplingParams
 
+pytestmark = pytest.mark.needs_model
+
 
 @pytest.fixture(scope="module")
 def engine():

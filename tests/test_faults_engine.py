@@ -9,7 +9,7 @@ from engine_fixtures import make_engine
 import trtllm_backend.engine as engine_module
 from trtllm_backend.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.needs_model
 
 
 def _run(engine, prompt: str, timeout: float = 60.0) -> list:

@@ -1,5 +1,5 @@
 """Faults injected into the morphing path of the real engine (real model, real fragments): a fragment missing
-at swap time, the staging thread raising, a budget too small to stage, a restore blocked by live blocks for a
+at swap time, a full fragment removed or corrupted between a swap down and its restore, the staging thread raising, a budget too small to stage, a restore blocked by live blocks for a
 long time, and 100 requests cancelled mid-generation during a morph. In each, serving goes on, every request
 ends exactly once, and the invariant checker finds nothing. (A corrupt fragment: tests/test_morph.py; over
 the wire with its metric: tests/test_faults_server.py.)"""
@@ -7,14 +7,15 @@ import logging
 import time
 
 import pytest
-from engine_fixtures import PROMPTS, damaged_fragment_copy, make_engine
+from engine_fixtures import PROMPTS, damaged_fragment_copy, layers_only_copy, make_engine
 
 from trtllm_backend.config import EngineConfig
+from trtllm_backend.controller import parse_forced
 from trtllm_backend.engine import LLMEngine
 from trtllm_backend.precision import Precision
 from trtllm_backend.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.needs_model
 
 
 def submit(engine, n: int, max_tokens: int, prefix: str = "p") -> dict[str, list]:
@@ -47,6 +48,38 @@ def test_missing_fragment_at_swap_time_keeps_the_binding_and_swaps_the_next(tmp_
     assert engine.model.slots[victim_layer].precision == Precision.FULL  # the failed layer keeps its binding
     assert engine.num_quantized_layers() == 1  # the next layer in the order was swapped instead
     assert_healthy(engine, outs)
+
+
+@pytest.mark.parametrize("damage", ["removed", "corrupted"])
+def test_a_full_fragment_damaged_after_swap_down_fails_its_restore_once(tmp_path, caplog, damage):
+    frags = layers_only_copy(tmp_path / "fragments")
+    engine = make_engine(fragment_dir=str(frags), max_tokens_in_paged_kv_cache=512, force_morph="down:2@1")
+    outs = submit(engine, 3, 10)
+    engine.run_until_idle()
+    assert engine.settle_morph(timeout_s=120) and engine.num_quantized_layers() == 2
+    first, last = engine.morph.swapped_layers  # restores pop the last swapped first
+    victim = frags / engine.manifest.fragment(last, Precision.FULL)["file"]
+    data = victim.read_bytes()
+    victim.unlink()  # a symlink into the shared set: never write through it
+    if damage == "corrupted":
+        victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    blocks_before = engine.pool.num_blocks
+    now = engine.counters.iterations
+    engine.morph.controller.forced = parse_forced(f"up:1@{now + 2},up:1@{now + 12},up:1@{now + 24}")
+    with caplog.at_level(logging.ERROR, logger="morphserve.morph"):
+        more = submit(engine, 3, 40, prefix="q")  # serving goes on through the failed restore and the next ones
+        engine.run_until_idle()
+        assert engine.settle_morph(timeout_s=120)
+    failures = [r.getMessage() for r in caplog.records if "cannot restore" in r.getMessage()]
+    assert len(failures) == 1 and f"layer {last}" in failures[0], failures  # logged once, never retried
+    assert engine.counters.swap_failures == 1 and engine.counters.swaps_up == 1
+    assert engine.model.slots[last].precision == Precision.INT4  # serving at the precision it has
+    assert engine.model.slots[first].precision == Precision.FULL  # the rest of the stack still restored
+    assert engine.morph.morphed_units == 0  # the controller does not count it for another restore
+    # The drained segment's memory came back as KV: the layer stays INT4, so its bytes are free.
+    assert engine.pool.num_blocks >= blocks_before - engine.morph.blocks_per_layer
+    assert engine.morph.account.used <= engine.morph.account.budget
+    assert_healthy(engine, outs | more)
 
 
 def test_the_staging_thread_raising_is_a_swap_failure_not_a_dead_engine(caplog):

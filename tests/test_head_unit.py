@@ -32,6 +32,7 @@ def engine_on(path, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(fragment_dir=str(path), **overrides))
 
 
+@pytest.mark.needs_model
 def test_the_fragment_sits_beside_the_layer_fragments(head_set):
     src, m = Manifest(fragment_dir()), Manifest(head_set)
     assert m.head_precisions() == ["full", "int8"] and m.head_swappable()
@@ -83,6 +84,7 @@ def test_head_rank_is_the_first_round_the_head_beats(monkeypatch):
         layer_importance.head_rank(None, None, [5, 3], rounds[:1])
 
 
+@pytest.mark.needs_model
 def test_swap_frees_the_table_as_kv_blocks_and_restores(head_set):
     prompts = PROMPTS[:2]
     base = engine_on(head_set, weight_dtype="float16")
@@ -118,6 +120,7 @@ def test_swap_frees_the_table_as_kv_blocks_and_restores(head_set):
         assert len(outs[rid]) == 24 and outs[rid][:first] == ref[rid][:first]
 
 
+@pytest.mark.needs_model
 def test_int8_head_logits_track_the_full_head(head_set):
     def first_logits(engine):
         rows = {}
@@ -140,6 +143,7 @@ def test_int8_head_logits_track_the_full_head(head_set):
             assert int(full[rid].argmax()) == int(q[rid].argmax()), rid
 
 
+@pytest.mark.needs_model
 def test_static_int4_takes_every_unit(head_set):
     engine = engine_on(head_set, morph_policy="int4")
     m = engine.morph
@@ -149,6 +153,7 @@ def test_static_int4_takes_every_unit(head_set):
     assert sum(len(o.token_ids) for o in outs) == 4
 
 
+@pytest.mark.needs_model
 def test_a_corrupt_head_fragment_at_swap_time_keeps_serving(head_set, tmp_path):
     dst = tmp_path / "damaged"
     link_set(head_set, dst)
@@ -167,6 +172,7 @@ def test_a_corrupt_head_fragment_at_swap_time_keeps_serving(head_set, tmp_path):
     assert not engine.check_invariants()
 
 
+@pytest.mark.needs_model
 def test_the_head_is_timed_at_load_for_the_decode_time_pressure(head_set):
     m = engine_on(head_set, morph_policy="balanced", morph_overrides={"down_tpot_s": 0.05}).morph
     assert set(m.speedup) == {"layer", "lm_head"} and all(r > 0 for r in m.speedup["lm_head"].values())

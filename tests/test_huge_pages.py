@@ -107,7 +107,7 @@ def test_an_int8_table_adopts_its_bytes_in_the_layout_it_holds():
     assert torch.equal(table.lookup(torch.tensor([0, 63])), rows[[0, 63]].float() * table.scales[[0, 63], None])
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_the_engine_puts_weights_and_kv_on_huge_pages_and_decodes_bitwise_the_same():
     from engine_fixtures import make_engine
 
@@ -133,7 +133,7 @@ def test_the_engine_puts_weights_and_kv_on_huge_pages_and_decodes_bitwise_the_sa
     assert len(logits[True]) == 6 and all(torch.equal(a, b) for a, b in zip(logits[False], logits[True]))
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_an_engine_says_at_load_when_the_kernel_offers_no_huge_pages(tmp_path, monkeypatch, caplog):
     from engine_fixtures import make_engine
 

@@ -9,7 +9,8 @@ from plugins import cpu_kernels, int8_linear
 from plugins.int8_linear import Int8Table, reference_linear
 
 ns = cpu_kernels.ops()
-needs_kernels = pytest.mark.skipif(ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built'}")
+needs_kernels = pytest.mark.skipif(
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
 
 
 @pytest.fixture(autouse=True)

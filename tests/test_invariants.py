@@ -8,7 +8,7 @@ from engine_fixtures import PROMPTS, make_engine
 from trtllm_backend.precision import Precision
 from trtllm_backend.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.needs_model
 
 
 def _add(engine, n=4, max_tokens=8):

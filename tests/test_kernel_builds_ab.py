@@ -16,7 +16,8 @@ def test_fewer_than_two_builds_or_a_missing_one_is_refused(tmp_path, capsys):
     assert "no such library" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not cpu_kernels.library_path().is_file(), reason="the C++ kernels are not built")
+@pytest.mark.needs_model  # its engines load the real fragment set
+@pytest.mark.skipif(not cpu_kernels.library_path().is_file(), reason="the C++ kernels are not built: run make setup")
 def test_each_build_runs_in_its_own_process_and_the_ratio_comes_with_its_range(tmp_path):
     lib = str(cpu_kernels.library_path())
     copy = tmp_path / "copy.so"

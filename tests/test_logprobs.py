@@ -29,7 +29,7 @@ def test_logprob_counts_out_of_range_are_refused_by_name(value):
         SamplingParams(logprobs=value)
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_engine_logprobs_are_log_softmax_of_the_sampled_logits():
     engine = make_engine(max_num_tokens=8)  # prompts of 20+ tokens prefill in several chunks
     rows: dict[str, list[torch.Tensor]] = {}
@@ -54,7 +54,7 @@ def test_engine_logprobs_are_log_softmax_of_the_sampled_logits():
         assert all(o.prompt_logprobs is None for o in pieces[1:])
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_prompt_logprobs_score_the_tokens_a_decode_made():
     """Greedy tokens decoded one at a time, then the same ids as a prompt prefilled in chunks: the prompt's
     scores of those tokens are the decode's (different kernels: fp32 tolerance)."""

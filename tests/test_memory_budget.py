@@ -11,6 +11,8 @@ from trtllm_backend.manifest import Manifest
 from trtllm_backend.precision import Precision
 from trtllm_backend.sampling import SamplingParams
 
+pytestmark = pytest.mark.needs_model
+
 POOL = 2048  # tokens of KV beside the full-precision model (47 MB at fp16): the budget of every engine below
 
 

@@ -8,7 +8,7 @@ from plugins import cpu_kernels
 from tools.microbench import decode_attention
 
 
-@pytest.mark.skipif(cpu_kernels.ops() is None, reason="the C++ kernels are not built")
+@pytest.mark.skipif(cpu_kernels.ops() is None, reason="the C++ kernels are not built: run make setup")
 def test_a_build_compared_with_itself_is_bitwise_equal_and_a_changed_output_is_named(tmp_path, capsys):
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     decode_attention.main(["--dump", str(a)])

@@ -15,6 +15,8 @@ from trtllm_backend.manifest import Manifest
 from trtllm_backend.precision import Precision
 from trtllm_backend.sampling import SamplingParams
 
+pytestmark = pytest.mark.needs_model
+
 
 @pytest.fixture(autouse=True)
 def need_int4():

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, free_ports
 from test_triton_server import GrpcStream, inputs, metrics, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 
 # A small KV pool so a burst of long prompts is KV-bound; a quick controller so the test is short.
 MORPH_PARAMS = {

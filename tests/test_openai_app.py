@@ -28,6 +28,7 @@ def error_of(response, status: int) -> dict:
     return body["error"]
 
 
+@pytest.mark.needs_model
 def test_models_and_unknown_model():
     with client() as c:
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["smollm2"]
@@ -37,6 +38,7 @@ def test_models_and_unknown_model():
         assert err["param"] == "model" and "gpt-4" in err["message"]
 
 
+@pytest.mark.needs_model
 def test_bad_bodies_are_400s_naming_the_field():
     with client() as c:
         assert error_of(c.post("/v1/chat/completions", content=b"{not json"), 400)["param"] == "body"
@@ -47,18 +49,21 @@ def test_bad_bodies_are_400s_naming_the_field():
         assert err["param"] == "n" and "n=1" in err["message"]
 
 
+@pytest.mark.needs_model
 def test_unknown_routes_and_methods_keep_the_error_shape():
     with client() as c:
         error_of(c.get("/v1/nothing"), 404)
         error_of(c.get("/v1/chat/completions"), 405)
 
 
+@pytest.mark.needs_model
 def test_the_responses_api_is_refused_with_a_pointer_to_chat():
     with client() as c:
         err = error_of(c.post("/v1/responses", json={"model": "smollm2", "input": "hi"}), 404)
         assert err["code"] == "unsupported_endpoint" and "/v1/chat/completions" in err["message"]
 
 
+@pytest.mark.needs_model
 def test_api_key():
     with client(api_key="s3cret") as c:
         assert error_of(c.get("/v1/models"), 401)["code"] == "invalid_api_key"
@@ -70,6 +75,7 @@ def test_api_key():
         assert c.get("/health").status_code == 503 and c.get("/metrics").status_code == 200  # no key needed
 
 
+@pytest.mark.needs_model
 def test_no_triton_is_a_503_and_health_says_so():
     with client() as c:
         err = error_of(c.post("/v1/chat/completions", json=CHAT), 503)
@@ -77,6 +83,7 @@ def test_no_triton_is_a_503_and_health_says_so():
         assert c.get("/health").json()["status"] == "unavailable"
 
 
+@pytest.mark.needs_model
 def test_gateway_metrics_count_requests_by_status():
     with client() as c:
         c.post("/v1/chat/completions", json=CHAT | {"n": 2})

@@ -1,10 +1,12 @@
 """trtllm_backend.openai.logprobs: OpenAI's chat and legacy completions logprobs objects from the model's ids."""
+import pytest
 from conftest import ROOT
 
 from trtllm_backend.openai.logprobs import Scored, chat_logprobs, completion_logprobs
 from trtllm_backend.openai.tokens import TokenTexts
 from trtllm_backend.openai.triton_client import Piece
 
+pytestmark = pytest.mark.needs_model  # the fragments' tokenizer
 FRAGMENTS = ROOT / "model_repository" / "smollm2" / "1" / "fragments"
 
 

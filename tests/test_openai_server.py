@@ -23,7 +23,7 @@ from trtllm_backend.openai.process import start_gateway
 from trtllm_backend.openai.template import ChatTemplate
 from trtllm_backend.triton.server import free_ports
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 MODEL = "smollm2"
 KEY = "test-key"
 FRAGMENTS = ROOT / "model_repository" / "smollm2" / "1" / "fragments"

@@ -26,6 +26,7 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.mark.needs_model
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_renders_as_transformers_does(messages):
     from transformers import PreTrainedTokenizerFast
@@ -41,6 +42,7 @@ def test_renders_as_transformers_does(messages):
         assert ours.render(messages, add_generation_prompt=add) == expected
 
 
+@pytest.mark.needs_model
 def test_smollm2_template_is_chatml_with_its_default_system_prompt():
     out = ChatTemplate.from_fragments(fragment_dir()).render([{"role": "user", "content": "hi"}])
     assert out == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

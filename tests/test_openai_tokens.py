@@ -1,8 +1,10 @@
 """trtllm_backend.openai.tokens: each token's own bytes and string from the fragments' byte-level vocabulary."""
+import pytest
 from conftest import ROOT
 
 from trtllm_backend.openai.tokens import TokenTexts
 
+pytestmark = pytest.mark.needs_model  # the fragments' tokenizer
 FRAGMENTS = ROOT / "model_repository" / "smollm2" / "1" / "fragments"
 
 

@@ -125,7 +125,7 @@ def real_set():
     return Manifest(out)
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_manifest_lists_verified_quantized_fragments(real_set):
     m = real_set
     for i in range(m.num_layers):
@@ -138,7 +138,7 @@ def test_manifest_lists_verified_quantized_fragments(real_set):
     assert qa.fragments_current(m, [Precision.INT4, Precision.INT8], GROUP_SIZE)
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_int4_layers_track_the_full_layers_on_real_hidden_states(real_set):
     m = real_set
     from tokenizers import Tokenizer
@@ -158,7 +158,7 @@ def test_int4_layers_track_the_full_layers_on_real_hidden_states(real_set):
             h = ref
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_hf_export_comes_from_the_same_calibration(real_set):
     import json
 

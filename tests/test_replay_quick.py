@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / ".." / "shared" / "data" / "traces" / "azure_llm_code_2023.csv"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,7 @@ def test_synthetic_step_bursts():
         Synthetic("step", burst_s=30.0, period_s=20.0)
 
 
+@pytest.mark.needs_model
 def test_prompts_have_the_requested_token_length():
     from tools.replay.prompts import DEFAULT_CORPUS, DEFAULT_FRAGMENTS, PromptSource, load_tokenizer
 

@@ -24,7 +24,7 @@ def test_no_pickle_loading_in_the_source():
     assert not hits, f"pickle-based loading in {hits}"
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_a_fragment_not_matching_its_sha256_is_refused(tmp_path):
     src, dst = fragment_dir(), tmp_path / "fragments"
     shutil.copytree(src, dst, symlinks=False, ignore=shutil.ignore_patterns("*.safetensors"))

@@ -17,22 +17,24 @@ import pytest
 from conftest import ROOT, TEST_SERVER_PARAMS, free_ports, http_ready
 from test_triton_server import GrpcStream, inputs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 DRAIN_S = float(TEST_SERVER_PARAMS["drain_timeout_s"])
 
 
 class Launcher:
     """The CLI launcher as a container runs it, on free ports."""
 
-    def __init__(self, tmp_path: Path, wait_ready: bool = True):
-        self.http, self.grpc, self.metrics = free_ports(3)
-        params = [a for k, v in TEST_SERVER_PARAMS.items() for a in ("--param", f"{k}={v}")]
-        self.log = open(tmp_path / "launcher.log", "w")
+    def __init__(self, tmp_path: Path, wait_ready: bool = True, params: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None, ports: tuple[int, int, int] | None = None,
+                 log_name: str = "launcher.log"):
+        self.http, self.grpc, self.metrics = ports or free_ports(3)
+        args = [a for k, v in (TEST_SERVER_PARAMS | (params or {})).items() for a in ("--param", f"{k}={v}")]
+        self.log_path = tmp_path / log_name
+        self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "trtllm_backend.serve", "--http-port", str(self.http), "--grpc-port",
-             str(self.grpc), "--metrics-port", str(self.metrics), *params], cwd=ROOT, stdout=self.log,
-            stderr=subprocess.STDOUT)
-        self.log_path = tmp_path / "launcher.log"
+             str(self.grpc), "--metrics-port", str(self.metrics), *args], cwd=ROOT, stdout=self.log,
+            stderr=subprocess.STDOUT, env=os.environ | (env or {}))
         deadline = time.monotonic() + 300
         while wait_ready and not self._ready():
             assert self.process.poll() is None, self.log_path.read_text()[-3000:]

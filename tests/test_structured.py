@@ -38,6 +38,7 @@ def test_bad_guides_are_refused_when_made(guide, match):
 
 @pytest.mark.parametrize("guide", [Guide("json_schema", "{not json"), Guide("json_schema", "[1]"),
                                    Guide("regex", "(unclosed"), Guide("grammar", "start: undefined_rule")])
+@pytest.mark.needs_model
 def test_bad_guide_text_is_refused_when_compiled(tools, guide):
     with pytest.raises(InvalidRequest, match="^guide: "):
         tools[1].matcher(guide)
@@ -97,6 +98,7 @@ def run_constrained(tools, guides: list[Guide], seed: int, max_steps: int = 400)
     return [None if r in live else tokenizer.decode(ids) for r, ids in enumerate(outputs)]
 
 
+@pytest.mark.needs_model
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=st.one_of(objects(schemas), schemas), seed=st.integers(0, 2**16))
 def test_any_schema_under_any_logits_parses_and_validates(tools, schema, seed):
@@ -107,6 +109,7 @@ def test_any_schema_under_any_logits_parses_and_validates(tools, schema, seed):
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.needs_model
 def test_json_object_and_regex_guides(tools):
     for text in run_constrained(tools, [Guide("json")] * 2, seed=1):
         assert text is None or isinstance(json.loads(text), dict)
@@ -114,7 +117,7 @@ def test_json_object_and_regex_guides(tools):
         assert text is not None and len(text) == 6 and text[3] == "-"
 
 
-@pytest.mark.slow
+@pytest.mark.needs_model
 def test_the_engine_serves_a_schema_beside_free_requests():
     from engine_fixtures import make_engine
 

@@ -1,7 +1,10 @@
+import pytest
 from engine_fixtures import fragment_dir
 
 from trtllm_backend.manifest import Manifest
 from trtllm_backend.tokenizer import IncrementalDetokenizer, Tokenizer
+
+pytestmark = pytest.mark.needs_model
 
 
 def tok() -> Tokenizer:

@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 
 from conftest import ROOT, TEST_SERVER_PARAMS, free_ports
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 MODEL = "smollm2"
 TRITON_TYPES = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32",
                 "top_k": "INT32", "top_p": "FP32", "random_seed": "UINT64", "stop_words": "BYTES",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import queue
 import random
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from tools.capacity.stats import t_quantile
 from tools.replay.provenance import code_version, commit_phrase, now_utc
 from trtllm_backend.openmp_env import with_openmp_defaults
 from trtllm_backend.triton.server import ServerHandle, free_ports, launch
@@ -49,6 +52,9 @@ TYPES = {"text_input": ("BYTES", np.object_), "max_tokens": ("INT32", np.int32),
 SERVER_PARAMS = {"max_tokens_in_paged_kv_cache": "512", "max_batch_size": "16", "max_queue_size": "32",
                  "metrics_interval_s": "0.2", "drain_timeout_s": "5"}
 GROWTH_LIMIT = 0.05
+# An hour-long server must not grow: the slope's 95% interval within this (MiB/min), judged from this many minutes.
+SLOPE_LIMIT_MIB_MIN = 0.1
+SLOPE_MIN_BINS = 10
 # NOTE: a leak grows with the traffic (hundreds of requests per minute here); gRPC/HTTP keep a connection or
 # two (and their fds) open after the last request, so one or two more handles at the end are not a leak.
 HANDLE_SLACK = 2
@@ -194,15 +200,30 @@ def wait_idle(handle: ServerHandle, timeout: float = 120) -> dict[str, float]:
         time.sleep(0.5)
 
 
-def soak(handle: ServerHandle, seconds: float, rate: float, seed: int, timeout_s: float) -> tuple[Tally, list]:
-    """Open loop: Poisson arrivals at `rate` for `seconds`; RSS sampled every second meanwhile."""
-    tally, rng, samples = Tally(), random.Random(seed), []
+def morph_state(handle: ServerHandle) -> tuple:
+    """(INT4 layers, INT8 head, KV blocks): what the server holds besides its fixed memory (None if the metrics
+    do not answer)."""
+    try:
+        m = server_metrics(handle)
+    except OSError:
+        return (None,)
+    return (m.get("morphserve_int4_layers"), m.get("morphserve_lm_head_int8"), m.get("morphserve_kv_cache_blocks.max"))
+
+
+def soak(handle: ServerHandle, seconds: float, rate: float, seed: int, timeout_s: float) -> tuple[Tally, list, list, list]:
+    """Open loop: Poisson arrivals at `rate` for `seconds`. Sampled every second meanwhile: RSS as (t, bytes), the
+    handles as (t, fds, threads, shm regions) and the morph state as (t, state)."""
+    tally, rng, samples, handles, states = Tally(), random.Random(seed), [], [], []
     done = threading.Event()
 
     def sample() -> None:
         t0 = time.monotonic()
         while not done.wait(1.0):
-            samples.append((time.monotonic() - t0, process_stats(handle)["rss_bytes"]))
+            st = process_stats(handle)
+            t = time.monotonic() - t0
+            samples.append((t, st["rss_bytes"]))
+            handles.append((t, st["fds"], st["threads"], st["shm_regions"]))
+            states.append((t, morph_state(handle)))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -215,7 +236,18 @@ def soak(handle: ServerHandle, seconds: float, rate: float, seed: int, timeout_s
             next_at += rng.expovariate(rate)
     done.set()
     sampler.join()
-    return tally, samples
+    return tally, samples, handles, states
+
+
+def at_rest(samples: list, states: list, warmup_s: float) -> tuple[list, tuple | None]:
+    """The RSS samples taken in the server's most common morph state after warm-up, and that state. Why: swapping
+    layers and growing KV segments moves RSS by tens of MiB (freed fragments are not all returned to the system at
+    once); a leak is RSS growing while the server holds the same things."""
+    after = [st for (t, st) in states if t >= warmup_s and st != (None,)]
+    if not after:
+        return samples, None
+    rest = Counter(after).most_common(1)[0][0]
+    return [x for x, (_, st) in zip(samples, states) if st == rest], rest
 
 
 def rss_growth(samples: list, warmup_s: float) -> float:
@@ -223,6 +255,35 @@ def rss_growth(samples: list, warmup_s: float) -> float:
     after = [r for t, r in samples if warmup_s <= t < warmup_s + 30]
     last = [r for t, r in samples if t >= samples[-1][0] - 30]
     return float(np.median(last) / np.median(after) - 1) if after and last else 0.0
+
+
+def rss_slope(samples: list, warmup_s: float, bin_s: float = 60.0) -> dict | None:
+    """RSS slope after warm-up in MiB/min, least squares over per-minute medians, with a 95% t interval (None with
+    fewer than SLOPE_MIN_BINS minutes). Why medians per minute: RSS moves with every burst (KV segments come and
+    go as the server morphs); a minute's median keeps the trend and drops most of the autocorrelation that would
+    make an interval over 1-s samples far too narrow."""
+    bins: dict[int, list[int]] = {}
+    for t, r in samples:
+        if t >= warmup_s:
+            bins.setdefault(int((t - warmup_s) // bin_s), []).append(r)
+    full = [(k, np.median(v)) for k, v in sorted(bins.items()) if len(v) >= bin_s / 2]
+    if len(full) < SLOPE_MIN_BINS:
+        return None
+    x = np.array([k for k, _ in full], dtype=float) * bin_s / 60
+    y = np.array([m for _, m in full]) / 2**20
+    slope, intercept = np.polyfit(x, y, 1)
+    resid = y - (slope * x + intercept)
+    stderr = math.sqrt(float(resid @ resid) / (len(x) - 2) / float(((x - x.mean()) ** 2).sum()))
+    half = t_quantile(0.975, len(x) - 2) * stderr
+    return {"mib_per_min": float(slope), "ci95": [float(slope - half), float(slope + half)],
+            "minutes": len(x), "bin_s": bin_s}
+
+
+def handle_ranges(handles: list, warmup_s: float) -> dict[str, list[int]]:
+    """Lowest and highest fds, threads and /dev/shm regions after warm-up: flat means a narrow range."""
+    after = [h for h in handles if h[0] >= warmup_s] or handles
+    return {k: [min(h[i] for h in after), max(h[i] for h in after)] if after else [0, 0]
+            for i, k in ((1, "fds"), (2, "threads"), (3, "shm_regions"))}
 
 
 def plot(samples: list, warmup_s: float, path: Path, title: str) -> None:
@@ -280,10 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         wait_idle(handle)
         before = process_stats(handle) | {"invariant_violations": server_metrics(handle).get(
             "morphserve_invariant_violations_total", 0)}
-        tally, samples = soak(handle, seconds, rate, args.seed + 1, args.timeout_s)
+        tally, samples, handles, states = soak(handle, seconds, rate, args.seed + 1, args.timeout_s)
         idle = wait_idle(handle)
         after = process_stats(handle) | {"invariant_violations": idle.get("morphserve_invariant_violations_total", 0)}
         growth = rss_growth(samples, warmup)
+        slope = rss_slope(samples, warmup)
+        rest_samples, rest = at_rest(samples, states, warmup)
+        rest_slope = rss_slope(rest_samples, warmup)
         m = idle
     finally:
         code = handle.stop()
@@ -294,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         "rate_req_s": rate, "overload": args.overload if capacity else None, "server_params": SERVER_PARAMS,
         "requests": {k: getattr(tally, k) for k in ("sent", "completed", "rejected", "errored", "cancelled", "lost",
                                                     "unexpected_errors")} | {"unaccounted": tally.sent - accounted},
-        "before": before, "after": after, "rss_growth_after_warmup": growth,
+        "before": before, "after": after, "rss_growth_after_warmup": growth, "rss_slope": slope,
+        "rss_slope_at_rest": rest_slope, "rest_state": {"int4_layers": rest[0], "lm_head_int8": rest[1],
+                                                        "kv_blocks": rest[2]} if rest else None,
+        "rest_share": len(rest_samples) / len(samples) if samples else 0.0,
+        "handle_ranges_after_warmup": handle_ranges(handles, warmup),
         "server": {k: v for k, v in m.items() if k.startswith(("morphserve_layer_swaps_total", "morphserve_kv_resizes",
                    "morphserve_swap_failures", "morphserve_preemptions", "morphserve_requests_total"))},
         "rss_samples": samples, "server_exit": code,
@@ -304,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         "no unexpected error": not tally.unexpected_errors,
         "no invariant violation": after["invariant_violations"] == 0,
         f"RSS growth after warm-up under {GROWTH_LIMIT:.0%}": growth < GROWTH_LIMIT,
+        # NOTE: judged only on a run long enough to have a slope (make soak-hour); shorter runs report none.
+        f"RSS slope at rest within +-{SLOPE_LIMIT_MIB_MIN} MiB/min": rest_slope is None or (
+            -SLOPE_LIMIT_MIB_MIN <= rest_slope["ci95"][0] and rest_slope["ci95"][1] <= SLOPE_LIMIT_MIB_MIN),
         f"fds and threads within +{HANDLE_SLACK}, no /dev/shm growth": (all(after[k] - before[k] <= HANDLE_SLACK for k in ("fds", "threads"))
                                              and after["shm_regions"] <= before["shm_regions"]),
         "server stopped cleanly": code == 0,
@@ -330,7 +401,14 @@ def markdown(r: dict) -> str:
              "| | before | after |", "|---|---|---|"]
     for k in ("rss_bytes", "fds", "threads", "shm_regions", "invariant_violations"):
         lines.append(f"| {k} | {b[k]} | {a[k]} |")
+    def slope(sl):
+        return (f"{sl['mib_per_min']:+.3f} MiB/min, 95% interval [{sl['ci95'][0]:+.3f}, {sl['ci95'][1]:+.3f}] over "
+                f"{sl['minutes']} per-minute medians" if sl else f"not judged (under {SLOPE_MIN_BINS} minutes)")
+    ranges = ", ".join(f"{k} {lo}-{hi}" for k, (lo, hi) in r.get("handle_ranges_after_warmup", {}).items())
     lines += ["", f"RSS growth after warm-up ({r['warmup_s']:.0f} s): {r['rss_growth_after_warmup']:+.2%}", "",
+              f"RSS slope after warm-up, every sample: {slope(r.get('rss_slope'))}", "",
+              f"RSS slope after warm-up, at rest ({r.get('rest_state')}, {r.get('rest_share', 0):.0%} of the samples; "
+              f"what the check judges): {slope(r.get('rss_slope_at_rest'))}", "", f"Handles after warm-up (lowest-highest): {ranges}", "",
               "Checks: " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()), ""]
     return "\n".join(lines)
 

@@ -58,7 +58,7 @@ class MorphPolicy:
     down_persist: int = 2  # consecutive pressured iterations before swapping down
     up_kv_usage: float = 0.50  # restore only if usage stays below this after the shrink
     up_quiet_s: float = 2.0  # seconds without pressure before restoring
-    down_tpot_s: float = 0.0  # the TPOT SLO: decode slower than this with requests waiting is pressure (0: off)
+    down_tpot_s: float = 0.0  # streams' recent TPOT above this with requests waiting is pressure (0: off)
     up_tpot_ratio: float = 0.7  # with down_tpot_s set, restore only while TPOT <= this fraction of it
     down_ttft_s: float = 0.0  # the head of the queue waiting longer than this, KV not short, is pressure (0: off)
 
@@ -166,7 +166,7 @@ class Signals:
     blocks_per_layer: int  # KV blocks one swapped layer buys
     int4_layers: int  # units swapped down: INT4 layers, plus the INT8 LM head when swapped
     usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
-    tpot_s: float = 0.0  # recent decode iteration time (the engine's moving average; 0 with nothing decoding)
+    tpot_s: float = 0.0  # running streams' recent TPOT (request.streams_tpot; 0 with none decoding)
     swap_speeds_up: bool = False  # the next unit's quantized form was measured faster at the current decode batch
 
 

@@ -34,7 +34,7 @@ from .morph import MorphManager
 from .native_memory import pin_mmap_threshold
 from .outputs import EngineStats, RequestOutput, RequestTimings
 from .precision import HEAD_DYNAMIC
-from .request import Request
+from .request import Request, streams_tpot
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .step_budget import StepBudget
@@ -72,7 +72,6 @@ class LLMEngine:
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
         self._seen_preemptions = 0
-        self._tpot = 0.0  # moving average of decode iteration time (the controller's TPOT signal)
         self.streams: dict[str, OutputStream] = {}
         self.requests: dict[str, Request] = {}
         self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
@@ -281,7 +280,7 @@ class LLMEngine:
             blocks_per_layer=m.blocks_per_layer,
             int4_layers=m.morphed_units,
             usage_after_shrink=m.usage_after_shrink(),
-            tpot_s=self._tpot,
+            tpot_s=streams_tpot(s.running),
             swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.slowness_counts else False,
         )
         m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
@@ -319,7 +318,6 @@ class LLMEngine:
         self.counters.preemptions = self.scheduler.num_preemptions
         self._admission_blocked = sched.admission_blocked
         if not sched.scheduled:
-            self._tpot = 0.0
             self._publish_stats()
             return
         t_step = time.monotonic()
@@ -363,12 +361,11 @@ class LLMEngine:
                             [r.output_ids if r.params.penalized else [] for r in samplers])
             int4 = self.num_quantized_layers()
             now = time.monotonic()
-            if any(r.timings.first_token is not None for r in samplers):  # a decode iteration: its time is a TPOT
-                self._tpot = now - t_step if not self._tpot else 0.8 * self._tpot + 0.2 * (now - t_step)
             picked = dict(zip(wants, pick(logp, [tokens[r] for r in wants], [samplers[r].params.logprobs for r in wants]))) if wants else {}
             for r, (req, tok) in enumerate(zip(samplers, tokens)):
                 req.token_ids.append(tok)
                 self.counters.generation_tokens += 1
+                req.note_token_time(now)
                 if req.timings.first_token is None:
                     req.timings.first_token = now
                 req.timings.last_token = now

@@ -108,6 +108,9 @@ class MorphManager:
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (controller.parse_forced)
     swapped: list[_Swapped] = field(default_factory=list)  # a stack: restores pop from the end
     failed: set[Unit] = field(default_factory=set)
+    # Swapped down, and their full fragment failed to load at restore: they stay so until a restart (outside
+    # the controller's count, so it does not retry them every quiet spell).
+    stuck: list[_Swapped] = field(default_factory=list)
     pending_down: int = 0
     pending_up: int = 0
     job: _Job | None = None
@@ -160,21 +163,21 @@ class MorphManager:
     @property
     def int4_layers(self) -> int:
         """Decoder layers bound to INT4."""
-        return sum(1 for s in self.swapped if s.unit != HEAD_UNIT)
+        return sum(1 for s in self.swapped + self.stuck if s.unit != HEAD_UNIT)
 
     @property
     def morphed_units(self) -> int:
-        """Units swapped down (INT4 layers and the INT8 head): what the controller counts."""
+        """Units swapped down that can be restored (INT4 layers and the INT8 head): what the controller counts."""
         return len(self.swapped)
 
     @property
     def head_int8(self) -> bool:
         """The head should be bound to its INT8 table: configured so, or swapped down as a unit."""
-        return self.head_mode == HEAD_INT8 or any(s.unit == HEAD_UNIT for s in self.swapped)
+        return self.head_mode == HEAD_INT8 or any(s.unit == HEAD_UNIT for s in self.swapped + self.stuck)
 
     @property
     def swapped_layers(self) -> list[int]:
-        return [s.unit for s in self.swapped if s.unit != HEAD_UNIT]
+        return [s.unit for s in self.swapped + self.stuck if s.unit != HEAD_UNIT]
 
     def usage_after_shrink(self) -> float:
         """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink)."""
@@ -386,13 +389,13 @@ class MorphManager:
             weights = job.future.result()
         except Exception as err:  # anything the staging thread raised (a bad file, a failed allocation, a bug)
             self.counters.swap_failures += 1
-            log.error("morph: cannot load %s for %s: %s; it stays where it is", _name(job.unit), job.kind, err)
             if job.kind == "down":
+                log.error("morph: cannot load %s for down: %s; it stays where it is", _name(job.unit), err)
                 self.failed.add(job.unit)
                 self.pending_down = max(0, self.pending_down - 1)
+                self._refresh()
             else:
-                self.pending_up = 0
-            self._refresh()
+                self._restore_failed(err)
             return
         t0 = time.monotonic()
         if job.kind == "down":
@@ -418,6 +421,18 @@ class MorphManager:
                  Precision.INT8 if self.head_int8 else Precision.FULL)
 
     # ---- restore -----------------------------------------------------------------------------------
+    def _restore_failed(self, err: Exception) -> None:
+        """The top unit's full fragment did not load (removed or corrupted since the swap down): it stays swapped
+        down until a restart, its KV segment (already drained) is grown back, and the rest of the stack can still
+        be restored. Logged once per unit, as it is never tried again."""
+        top = self.swapped.pop()
+        self.failed.add(top.unit)
+        self.pending_up = 0
+        self._refresh()
+        top.segment = self._grow_kv()
+        self.stuck.append(top)
+        log.error("morph: cannot restore %s to full precision: %s; it stays swapped down until the fragment is "
+                  "repaired and the server restarted", _name(top.unit), err)
     def _start_up(self, block_tables: list[list[int]]) -> None:
         if not self.swapped:
             self.pending_up = 0
@@ -473,7 +488,7 @@ class MorphManager:
         if not self.pool.evacuate(seg, block_tables):
             return False  # no room elsewhere yet: the next iteration tries again
         self.pool.release_segment(seg)
-        for s in self.swapped:
+        for s in self.swapped + self.stuck:
             if s.segment is seg:
                 s.segment = None
         self.counters.kv_shrinks += 1

@@ -1,14 +1,22 @@
 """A request as the scheduler and engine see it: tokens, computed tokens, block table, output state."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from statistics import median
 
 import torch
 
 from .logprobs import TokenLogprob
 from .outputs import KVReuse, RequestTimings
 from .sampling import SamplingParams
+
+
+# The tokens over which a stream's recent TPOT is taken: enough that one step carrying a prompt's prefill chunk
+# does not read as a slow stream (a request's TPOT, as its SLO judges it, is a mean over all its tokens), few
+# enough that a slowdown shows within a couple of seconds.
+RECENT_TPOT_TOKENS = 16
 
 
 class Status(Enum):
@@ -34,6 +42,17 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # sum over the generated tokens, when params.logprobs is set
     matcher: object | None = None  # the guide's grammar state (llguidance.LLMatcher), when params.guide is set
+    token_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TPOT_TOKENS + 1))  # last emits
+
+    def note_token_time(self, now: float) -> None:
+        self.token_times.append(now)
+
+    @property
+    def recent_tpot(self) -> float | None:
+        """Mean time between this request's last RECENT_TPOT_TOKENS tokens, as its stream saw them (None before its
+        second token)."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) >= 2 else None
 
     def __post_init__(self):
         if not self.token_ids:
@@ -60,3 +79,12 @@ class Request:
         prompt_blocks = -(-len(self.prompt_ids) // block_size)
         blocks = len(self.block_table)
         return KVReuse(reused_blocks=0, missed_blocks=prompt_blocks, new_blocks=blocks, total_blocks=blocks)
+
+
+def streams_tpot(requests: list[Request]) -> float:
+    """The median recent TPOT over these requests' streams (0.0 when none has two tokens yet): the decode-time
+    pressure signal. Why not the step time: a step that also carries prefill chunks is slow, but the streams it
+    delays by one gap are not slow (an exponential average of step times read 408-448 ms while the same
+    requests' own TPOT was 0.11 s at P50, and layers were swapped for it; docs/capacity.md)."""
+    recent = [t for r in requests if (t := r.recent_tpot) is not None]
+    return median(recent) if recent else 0.0

@@ -1,6 +1,6 @@
 """The fixed SLOs every capacity probe is judged by, and a run's attainment under them.
 
-NOTE: fixed in seconds and kept across commits (DESIGN.md section 8); a faster kernel must not tighten them.
+NOTE: fixed in seconds and kept across commits (docs/benchmarks.md); a faster kernel must not tighten them.
 TTFT 2 s as in the MorphServe paper: on this 2-core CPU an unloaded 30-100 token prompt takes 0.3-1 s to its
 first token (docs/replay.md), so 2 s leaves room for a short queue and none for a burst's backlog.
 TPOT 0.35 s: about 2x the engine's decode step at the largest batch the server runs (32 requests: 0.173 s in

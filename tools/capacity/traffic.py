@@ -87,7 +87,7 @@ def _trace(path: str) -> list[TraceRequest]:
 # the scaled p90 (~53), so outputs are scaled, not clipped, for 99% of requests; prompts (median 1042) x0.03.
 # A request holds at most 128 + 112 = 240 tokens, so it fits the smallest pool mapped (256 tokens) alone.
 # The code trace keeps its tiny outputs (median 14) and long prompts (x0.05: median 66).
-# `conv-kv` is the same window with requests that hold real KV (DESIGN.md section 8): outputs x0.55 (median 92-116
+# `conv-kv` is the same window with requests that hold real KV (docs/benchmarks.md): outputs x0.55 (median 92-116
 # over seeds 0-4, p90 ~235), prompts x0.1 (median ~105, clipped at 256 for 10%), so a request holds median
 # 250-300 tokens (p10 ~87, p90 ~350) and at most 640. It is the traffic KV capacity binds on, as in the paper.
 KINDS = {

@@ -1,7 +1,7 @@
 // Synthetic one-row INT4 VNNI pass: where the scales and zeros sit decides how fast one core streams it.
 //
 // The engine's all-INT4 batch-1 step reads its INT4 weights at ~7-8 GB/s per core on a host whose core streams a
-// plain read at 15-25 GB/s (docs/fused-decode.md, "One core's rate, not the memory"). This loop does the same
+// plain read at 15-25 GB/s (docs/history/fused-decode.md, "One core's rate, not the memory"). This loop does the same
 // inner work as int4_tile.h's rows_q8_vnni<1> for a 4-block tile (two 64-byte loads, nibble split, four
 // vpdpbusd per 128 bytes; per group of 32 inputs a convert, the scale and zero FMAs), over 256 MB, with the
 // group's 128 bytes of bf16 scales and zeros read from:

@@ -38,7 +38,7 @@ def parse_args(argv):
     ap.add_argument("--policies", default=QUICK["policies"] if quick else DEFAULT_POLICIES,
                     help="comma-separated morph_policy values, run in this order (the first sets the default SLO)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                    help="server parameter for every run (see docs/triton.md); defaults: "
+                    help="server parameter for every run (see docs/configuration.md); defaults: "
                          + " ".join(f"{k}={v}" for k, v in DEFAULT_PARAMS.items()))
     ap.add_argument("--quick", action="store_true", help="a ~2 minute run (2 policies, a 25 s window) for the tests")
     ap.add_argument("--probes", type=int, default=QUICK["probes"] if quick else 5, help="unloaded TTFT probes per run")
