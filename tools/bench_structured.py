@@ -201,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         result["libraries"]["xgrammar"] = f"not importable: {exc}"
     print(json.dumps(result["libraries"], indent=1), flush=True)
     result["engine"] = engine_ab(engine, args.batch, args.rounds, args.max_tokens)
-    result["command"] = "python -m tools.bench_structured " + " ".join(argv if argv is not None else sys.argv[1:])
+    words = list(argv if argv is not None else sys.argv[1:])
+    if args.xgrammar_path:  # NOTE: the folder is this machine's; the record names only its role
+        words = ["DIR" if w == str(args.xgrammar_path) else w for w in words]
+    result["command"] = "python -m tools.bench_structured " + " ".join(words)
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
