@@ -59,8 +59,8 @@ def bench_llguidance(tok_json: str, vocab: int, eos: list[int], ids: list[int], 
         m.reset()
     for tok in ids:  # the library's own share: masks filled and matchers advanced
         t = time.perf_counter()
-        masks.executor.unsafe_compute_mask_ptr([(m, r) for r, m in enumerate(matchers)], bitmask.data_ptr(),
-                                               bitmask.shape[1] * 4, batch)
+        for r, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), bitmask.shape[1] * 4)
         for m in matchers:
             m.consume_token(tok)
         fills.append(time.perf_counter() - t)

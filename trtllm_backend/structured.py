@@ -2,8 +2,8 @@
 
 A request's `Guide` (a JSON object, a JSON schema, a regular expression or a Lark / GBNF grammar) is compiled
 into a matcher when the request is added (a bad guide is refused then, naming it). Each iteration the
-constrained rows' allowed-token bitmasks are filled in one parallel call, unpacked and applied to the logits
-before sampling (logprobs are taken before: trtllm_backend/logprobs.py); each sampled token then advances its
+constrained rows' allowed-token bitmasks are filled (on the engine thread), unpacked and applied to the logits
+of the whole batch before sampling (logprobs are taken before: trtllm_backend/logprobs.py); each sampled token then advances its
 matcher. The grammar allows end-of-sequence only where the text is complete, and nothing else once it is.
 
 NOTE: llguidance, not xgrammar or outlines-core: the cheapest per token on this CPU of the three, with no GPU
@@ -75,10 +75,8 @@ class GrammarCompiler:
 class MaskBatch:
     """The iteration's constrained rows, masked together."""
 
-    def __init__(self, threads: int = 1):
-        # NOTE: one thread by default: the engine's own threads run the model; masks of a decode batch are
-        # tens of microseconds each (results/structured_outputs/).
-        self.executor = llguidance.LLExecutor(num_threads=threads)
+    # NOTE: masks are filled on the engine thread, row by row (a few tens of microseconds each), rather than by
+    # llguidance's parallel executor: no second thread pool beside the model's OpenMP threads on two cores.
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
         """Set the logits of tokens each row's matcher forbids to -inf (in place)."""
@@ -86,8 +84,9 @@ class MaskBatch:
             return
         vocab = logits.shape[1]
         bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
-        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
-                                              bitmask.shape[1] * 4, len(rows))
+        row_bytes = bitmask.shape[1] * 4
+        for i, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
         # NOTE: numpy's unpackbits is ~15x faster than shifting the words in torch (little-endian bit order)
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         forbidden = torch.from_numpy(bits == 0)
