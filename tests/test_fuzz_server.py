@@ -26,7 +26,9 @@ from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 from conftest import http_ready
-from test_triton_server import MODEL, NUMPY_TYPES, TRITON_TYPES, settled_metrics
+from test_triton_server import MODEL, NUMPY_TYPES, settled_metrics
+
+from trtllm_backend.triton.interface import _TYPES, INPUTS
 
 SOAK = os.environ.get("MORPHSERVE_SOAK") == "1"
 # A few hundred cases are part of `make test`; the 2,400 of MORPHSERVE_SOAK=1 are the soak tier (make soak).
@@ -36,8 +38,8 @@ SEED = int(os.environ.get("MORPHSERVE_FUZZ_SEED") or random.SystemRandom().randr
 print(f"[fuzz] seed {SEED} ({CASES} cases per transport); replay with MORPHSERVE_FUZZ_SEED={SEED}")
 FUZZ = settings(max_examples=CASES, deadline=None, database=None, print_blob=True,
                 suppress_health_check=list(HealthCheck))
-# The model's inputs as config.pbtxt declares them (TRITON_TYPES lacks the newer optional ones).
-KNOWN = TRITON_TYPES | {"seed": "UINT64", "frequency_penalty": "FP32", "presence_penalty": "FP32"}
+# The model's inputs as config.pbtxt declares them: both TensorRT-LLM name sets, from the model's one table.
+KNOWN = {name: _TYPES[spec.dtype] for spec in INPUTS for name in spec.names}
 WIRE_TYPES = ["BYTES", "INT32", "INT64", "UINT64", "FP32", "BOOL"]
 MAX_FAST_TOKENS = 4  # a request that passes validation generates at most this much: cases stay fast
 
@@ -61,6 +63,10 @@ fast_valid = {
     "frequency_penalty": st.floats(-2, 2), "presence_penalty": st.floats(-2, 2), "min_length": st.integers(0, 2),
     "stream": st.booleans(), "exclude_input_in_output": st.booleans(), "beam_width": st.just(1),
     "stop_words": st.lists(st.text(min_size=1, max_size=5), max_size=3),
+    "sampling_param_temperature": st.floats(0, 2), "sampling_param_top_p": st.floats(0.01, 1),
+    "sampling_param_seed": st.integers(0, 2**64 - 1), "streaming": st.booleans(), "top_logprobs": st.integers(0, 5),
+    "return_log_probs": st.booleans(), "return_prompt_log_probs": st.booleans(),
+    "sampling_param_return_perf_metrics": st.booleans(),
 }
 
 

@@ -57,6 +57,13 @@ def test_unknown_routes_and_methods_keep_the_error_shape():
 
 
 @pytest.mark.needs_model
+def test_the_responses_api_is_refused_with_a_pointer_to_chat():
+    with client() as c:
+        err = error_of(c.post("/v1/responses", json={"model": "smollm2", "input": "hi"}), 404)
+        assert err["code"] == "unsupported_endpoint" and "/v1/chat/completions" in err["message"]
+
+
+@pytest.mark.needs_model
 def test_api_key():
     with client(api_key="s3cret") as c:
         assert error_of(c.get("/v1/models"), 401)["code"] == "invalid_api_key"

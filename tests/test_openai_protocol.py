@@ -52,10 +52,13 @@ def test_vllm_extensions_set_the_minimum_output():
     (CHAT | {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (CHAT | {"stop": 5}, "stop"),
     (CHAT | {"n": 2}, "n"),
-    (CHAT | {"logprobs": True}, "logprobs"),
+    (CHAT | {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT | {"store": True}, "store"),
+    (CHAT | {"response_format": {"type": "xml"}}, "response_format.type"),
+    (CHAT | {"tool_choice": "auto"}, "tool_choice"),
     (CHAT | {"top_logprobs": 2}, "top_logprobs"),
     (CHAT | {"logit_bias": {"50": 1.0}}, "logit_bias"),
-    (CHAT | {"tools": []}, "tools"),
+    (CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT | {"bogus": 1}, "bogus"),
     ({"messages": CHAT["messages"]}, "model"),
     (CHAT | {"model": 5}, "model"),
@@ -69,8 +72,8 @@ def test_vllm_extensions_set_the_minimum_output():
     (COMPLETION | {"prompt": ""}, "prompt"),
     (COMPLETION | {"prompt": ["a", "b"]}, "prompt"),
     (COMPLETION | {"prompt": [1, 2, 3]}, "prompt[0]"),
-    (COMPLETION | {"echo": True}, "echo"),
-    (COMPLETION | {"logprobs": 1}, "logprobs"),
+    (COMPLETION | {"echo": 1}, "echo"),
+    (COMPLETION | {"logprobs": 21}, "logprobs"),
     (COMPLETION | {"suffix": "x"}, "suffix"),
     (COMPLETION | {"best_of": 2}, "best_of"),
     (COMPLETION | {"ignore_eos": True}, "ignore_eos"),
@@ -91,3 +94,19 @@ def test_a_body_that_is_not_an_object_is_refused():
     with pytest.raises(OpenAIError, match="JSON object") as e:
         parse(ChatCompletionRequest, [1, 2])
     assert e.value.status == 400
+
+
+def test_fields_sdks_send_by_default_are_accepted():
+    chat = parse(ChatCompletionRequest, CHAT | {"response_format": {"type": "text"}, "store": False, "tools": [],
+                                                "tool_choice": "none", "metadata": {"a": "b"}})
+    assert chat.alternatives is None
+    assert parse(ChatCompletionRequest, CHAT | {"logprobs": True, "top_logprobs": 3}).alternatives == 3
+    assert parse(ChatCompletionRequest, CHAT | {"logprobs": True}).alternatives == 0
+    done = parse(CompletionRequest, COMPLETION | {"logprobs": 2, "echo": True})
+    assert done.alternatives == 2 and done.echo
+
+
+def test_unsupported_fields_are_refused_as_unsupported_not_unknown():
+    with pytest.raises(OpenAIError) as e:
+        parse(ChatCompletionRequest, CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert e.value.param == "tools" and "not supported" in e.value.message and "unknown" not in e.value.message

@@ -135,6 +135,80 @@ def stream_generate_with(triton_server, prompt: str, **extra):
         s.close()
 
 
+# --- logprobs, echo, the fields SDKs send by default --------------------------------------------------------------
+def test_chat_logprobs_sync_and_stream(client):
+    args = dict(model=MODEL, messages=chat("What is the capital of France?"), max_tokens=8, logprobs=True, top_logprobs=3)
+    done = client.chat.completions.create(**args)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens
+    for entry in content:  # greedy: the chosen token is the most likely one, alternatives sorted
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
+        assert [a.logprob for a in entry.top_logprobs] == sorted((a.logprob for a in entry.top_logprobs), reverse=True)
+    if done.choices[0].finish_reason == "length":
+        assert b"".join(bytes(e.bytes) for e in content).decode() == done.choices[0].message.content
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_completion_echo_with_prompt_logprobs(client):
+    prompt = "The capital of France is"
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=2, echo=True)
+    choice, usage = done.choices[0], done.usage
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens == len(lp.token_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text and lp.text_offset[usage.prompt_tokens] == len(prompt)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, logprobs=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+
+
+def test_fields_sdks_send_by_default_are_accepted(client):
+    done = client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2, store=False,
+                                          response_format={"type": "text"}, tools=[], metadata={"run": "test"})
+    assert done.usage.completion_tokens == 2
+
+
+def test_json_schema_and_json_object_outputs_parse_and_validate(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "age": {"type": "integer", "minimum": 0},
+                                               "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                                           "maxItems": 3}},
+              "required": ["name", "age", "hobbies"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    done = client.chat.completions.create(model=MODEL, messages=chat("Invent a person."), max_tokens=96, response_format=fmt)
+    assert done.choices[0].finish_reason == "stop", done.choices[0].message.content
+    jsonschema.validate(json.loads(done.choices[0].message.content), schema)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat("Invent a person."), max_tokens=96,
+                                                 response_format=fmt, stream=True, temperature=0.8, seed=3))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
+    anything = client.chat.completions.create(model=MODEL, messages=chat("Give me JSON about cats."), max_tokens=64,
+                                              response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    else:
+        assert anything.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}})
+    assert e.value.body["param"] == "response_format", e.value.body
+
+
+def test_the_responses_api_gets_a_clear_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="hi")
+    assert "/v1/chat/completions" in e.value.body["message"], e.value.body
+
+
 def test_curl_sees_standard_sse(gateway):
     body = json.dumps({"model": MODEL, "messages": chat("Hi"), "max_tokens": 4, "stream": True})
     out = subprocess.run(["curl", "-sN", f"{gateway.url}/v1/chat/completions", "-H", f"Authorization: Bearer {KEY}",
@@ -206,7 +280,9 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_request(gateway, trito
     ({"temperature": 3.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"store": True}, "store"),
     ({"frequency_penalty": 5.0}, "frequency_penalty"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),

@@ -42,7 +42,7 @@ def test_a_shared_prefix_is_reused_by_reference_and_not_prefilled():
     assert (b, 3) in out.scheduled  # only the tokens after the two cached blocks are computed
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] not in a.block_table
     assert s.pool.cache.refs[a.block_table[0]] == 2
-    assert (b.reused_blocks, b.missed_blocks, b.reused_tokens, b.kv_cache_hit_rate) == (2, 0, 8, 1.0)
+    assert (b.reused_blocks, b.missed_blocks, b.reused_tokens, b.kv_reuse().hit_rate) == (2, 0, 8, 1.0)
     stats = s.pool.cache.stats
     assert (stats.hit_blocks, stats.miss_blocks, stats.reused_tokens) == (2, 2, 8)  # a missed 2, b hit 2
     assert block_violations(s.pool, tables(s)) == []

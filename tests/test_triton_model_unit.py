@@ -310,6 +310,15 @@ def test_streaming_sends_deltas_then_final(model):
     assert req.sender.sent[0][0].outputs["int4_layers"].tolist() == [[3]]
 
 
+def test_llmapi_streaming_sends_the_whole_text_so_far(model):
+    (req,) = run(model, FakeRequest({"text_input": text("Hi"), "sampling_param_max_tokens": scalar(3, np.int32),
+                                     "streaming": scalar(True, np.bool_),
+                                     "sampling_param_return_perf_metrics": scalar(True, np.bool_)}))
+    drain(model)
+    assert req.sender.texts() == [" w1", " w1 w2", " w1 w2 w3"]
+    assert all("arrival_time_ns" in r.outputs and "kv_cache_hit_rate" in r.outputs for r, _ in req.sender.sent)
+
+
 def test_single_response_echoes_prompt_unless_excluded(model):
     a, b = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32)}),
                FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32),

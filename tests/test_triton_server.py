@@ -225,6 +225,115 @@ def test_sampling_inputs_are_honoured(triton_server):
     assert sum(at_least.counts) == 12
 
 
+# --- both TensorRT-LLM name sets, log probs ---------------------------------------------------------------------
+def named(**values) -> list:
+    """Inputs under any name of the model's table (trtllm_backend/triton/interface.py), with their declared type."""
+    from trtllm_backend.triton.interface import _TYPES, BY_NAME
+
+    return [tensor(name, value, _TYPES[BY_NAME[name].dtype]) for name, value in values.items()]
+
+
+def grpc_results(url: str, tensors: list, timeout: float = 60.0) -> list:
+    """Every response of one streamed request (an error raises)."""
+    s = GrpcStream(url)
+    try:
+        s.send(tensors)
+        results = []
+        while True:
+            result, error, _ = s.events.get(timeout=timeout)
+            if error is not None:
+                raise AssertionError(error.message())
+            results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return results
+    finally:
+        s.close()
+
+
+def test_llmapi_names_stream_the_whole_text_and_report_timing(triton_server):
+    prompt = "The capital of France is"
+    plain = stream_generate(triton_server.grpc_url, prompt, 8)
+    results = grpc_results(triton_server.grpc_url, named(
+        text_input=prompt, sampling_param_max_tokens=8, streaming=True, sampling_param_temperature=0.0,
+        return_finish_reason=True, return_stop_reason=True, return_cumulative_logprob=True,
+        sampling_param_return_perf_metrics=True))
+    texts = [r.as_numpy("text_output").reshape(-1)[0].decode() for r in results if r.as_numpy("text_output") is not None]
+    assert texts[-1] == plain.text and all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative
+    last = [r for r in results if r.as_numpy("text_output") is not None][-1]
+    one = {n: last.as_numpy(n).reshape(-1)[0] for n in (
+        "finish_reason", "stop_reason", "cumulative_logprob", "arrival_time_ns", "first_scheduled_time_ns",
+        "first_token_time_ns", "last_token_time_ns", "kv_cache_reused_block", "kv_cache_missed_block",
+        "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "total_draft_tokens")}
+    assert one["finish_reason"] == b"length" and one["stop_reason"] == b""
+    assert one["cumulative_logprob"] < 0
+    assert 0 < one["arrival_time_ns"] <= one["first_scheduled_time_ns"] <= one["first_token_time_ns"] <= one["last_token_time_ns"]
+    assert one["kv_cache_reused_block"] == 0 and one["kv_cache_missed_block"] >= 1 and one["kv_cache_hit_rate"] == 0
+    assert one["kv_cache_alloc_total_blocks"] >= one["kv_cache_missed_block"] and one["total_draft_tokens"] == 0
+
+
+def test_llmapi_names_over_http_and_refusals_by_name(triton_server):
+    status, body = http_post(triton_server, "generate", {"text_input": "The capital of France is",
+                                                         "sampling_param_max_tokens": 6, "return_stop_reason": True,
+                                                         "sampling_param_stop": ["."]})
+    assert status == 200, body
+    out = json.loads(body)
+    assert out["text_output"] == " Paris" and out["stop_reason"] == "." and out["finish_reason"] == "stop", out
+    for bad, name in (({"lora_name": "x"}, "lora_name"), ({"max_tokens": 3, "sampling_param_max_tokens": 4},
+                                                            "sampling_param_max_tokens")):
+        status, body = http_post(triton_server, "generate", {"text_input": "Hi"} | bad)
+        assert status == 400 and f"{name}: " in body, body
+    assert stream_generate(triton_server.grpc_url, "Hi", 2).error is None  # the server carries on
+    status, body = http_post(triton_server, "generate", {"text_input": "The capital of France is", "max_tokens": 3,
+                                                         "top_logprobs": 2, "exclude_input_in_output": True})
+    assert status == 200, body
+    out = json.loads(body)  # the [1, n, k] alternatives come back over HTTP too
+    assert len(out["output_log_probs"]) == 3 and len(out["output_top_logprobs"]) in (3, 6), out
+
+
+def test_log_probs_over_grpc_with_alternatives_and_the_prompt(triton_server):
+    prompt = "The capital of France is"
+    results = grpc_results(triton_server.grpc_url, named(
+        text_input=prompt, max_tokens=5, stream=True, top_logprobs=3, return_prompt_log_probs=True))
+    pieces = [r for r in results if r.as_numpy("text_output") is not None]
+    ids = np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in pieces])
+    lps = np.concatenate([r.as_numpy("output_log_probs").reshape(-1) for r in pieces])
+    top_ids = np.concatenate([r.as_numpy("output_top_ids").reshape(-1, 3) for r in pieces])
+    top = np.concatenate([r.as_numpy("output_top_logprobs").reshape(-1, 3) for r in pieces])
+    assert len(ids) == len(lps) == len(top_ids) == 5
+    assert (top_ids[:, 0] == ids).all() and np.allclose(top[:, 0], lps)  # greedy: the chosen token is the top one
+    assert (np.diff(top, axis=1) <= 0).all() and (lps <= 0).all()
+    assert np.isclose(pieces[-1].as_numpy("cum_log_probs").reshape(-1)[0], lps.sum(), atol=1e-4)
+    prompt_lps = pieces[0].as_numpy("prompt_log_probs").reshape(-1)
+    prompt_ids = pieces[0].as_numpy("prompt_ids").reshape(-1)
+    assert len(prompt_lps) == len(prompt_ids) == int(pieces[0].as_numpy("prompt_token_count").reshape(-1)[0])
+    assert np.isnan(prompt_lps[0]) and (prompt_lps[1:] <= 0).all()
+    assert pieces[1].as_numpy("prompt_log_probs") is None  # the prompt's scores come once
+
+
+def test_guided_decoding_over_grpc_matches_the_schema(triton_server):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    prompt = "<|im_start|>user\nDescribe Paris as JSON.<|im_end|>\n<|im_start|>assistant\n"
+    r = stream_generate_guided(triton_server, prompt, "json_schema", json.dumps(schema))
+    assert r.error is None, r.error
+    jsonschema.validate(json.loads(r.text), schema)
+    bad = stream_generate_guided(triton_server, prompt, "json_schema", "{not json")
+    assert bad.error and bad.error.startswith("guided_decoding_guide: "), bad.error
+    bad = stream_generate_guided(triton_server, prompt, "structural_tag", "{}")
+    assert bad.error and bad.error.startswith("guided_decoding_guide_type: "), bad.error
+
+
+def stream_generate_guided(triton_server, prompt: str, kind: str, guide: str) -> StreamResult:
+    s = GrpcStream(triton_server.grpc_url)
+    try:
+        return s.request(inputs(text_input=prompt, max_tokens=64, stream=True) + named(
+            guided_decoding_guide_type=kind, guided_decoding_guide=guide))
+    finally:
+        s.close()
+
+
 # --- 16 concurrent clients vs. offline greedy -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def offline_engine():

@@ -27,6 +27,7 @@ from .fragments import FragmentStore
 from .head import head_mode
 from .invariants import BlockChecker, binding_violations, head_violations, layer_bytes, memory_violations
 from .kv_cache import KVPool
+from .logprobs import log_probs, pick
 from .manifest import Manifest
 from .model import LlamaModel
 from .morph import MorphManager
@@ -37,6 +38,7 @@ from .request import Request, streams_tpot
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .step_budget import StepBudget
+from .structured import GrammarCompiler, MaskBatch, advance
 from .streaming import OutputStream
 
 log = logging.getLogger("morphserve.engine")
@@ -87,6 +89,8 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
+        self._compiler: GrammarCompiler | None = None  # built at the first structured request (~1 s)
+        self._masks = MaskBatch()
         # The policy counts units: the layers, and the tied embedding / LM head where it morphs too.
         head = head_mode(config.lm_head_precision, self.manifest)
         units = mc.num_layers + (1 if head == HEAD_DYNAMIC else 0)
@@ -103,15 +107,22 @@ class LLMEngine:
         if not self._accepting:
             raise QueueFull("engine is shutting down")
         prompt_ids = self._validate(prompt, params)
+        matcher = self._grammars().matcher(params.guide) if params.guide is not None else None
         with self._lock:
             if self._pending - self._stats.running >= self.config.max_queue_size:
                 raise QueueFull(f"waiting queue is full (max_queue_size={self.config.max_queue_size})")
             self._pending += 1
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, prompt_ids, params, RequestTimings(arrival=time.monotonic()))
+        req = Request(rid, prompt_ids, params, RequestTimings(arrival=time.monotonic()), matcher=matcher)
         self._inbox.put(("add", req, on_output))
         self._wake.set()
         return rid
+
+    def _grammars(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer.to_json(), self.manifest.config.vocab_size, self._eos_ids)
+            return self._compiler
 
     def abort(self, request_id: str) -> bool:
         self._inbox.put(("abort", request_id, None))
@@ -318,12 +329,16 @@ class LLMEngine:
             return
         t_step = time.monotonic()
         ids, pos, seqs, rows, samplers = [], [], [], [], []
+        scored: list[tuple[int, Request, int]] = []  # (flat row, request, position) whose next prompt token is scored
         start = 0
         for req, n in sched.scheduled:
             c = req.num_computed
             ids.extend(req.token_ids[c : c + n])
             pos.extend(range(c, c + n))
             seqs.append(SeqSlice(start, n, c + n, req.block_table))
+            if req.params.prompt_logprobs is not None:
+                first = max(c, len(req.prompt_logprobs))  # a recompute after preemption scores nothing twice
+                scored.extend((start + p - c, req, p) for p in range(first, min(c + n, len(req.prompt_ids) - 1)))
             start += n
             if c + n == req.num_tokens:
                 rows.append(start - 1)
@@ -331,14 +346,22 @@ class LLMEngine:
         plan = AttentionPlan(self.pool, seqs)
         # NOTE: every row samples in a pure decode step: no gather of the rows (a torch call that misses the
         # caches right after the layers streamed the weights through them).
-        logit_rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long)
+        all_rows = rows + [r for r, _, _ in scored]
+        logit_rows = None if all_rows == list(range(len(ids))) else torch.tensor(all_rows, dtype=torch.long)
         logits = self.model.forward(torch.tensor(ids), torch.tensor(pos), plan, logit_rows)
+        if scored:
+            self._score_prompt_tokens(logits[len(rows):], scored)
+            logits = logits[: len(rows)]
         for req, n in sched.scheduled:
             req.num_computed += n
             self.counters.prompt_tokens += n if req.num_output == 0 else 0
             self.pool.cache.cache_computed(req)
         if samplers:
+            wants = [r for r, req in enumerate(samplers) if req.params.logprobs is not None]
+            logp = log_probs(logits[wants]) if wants else None  # NOTE: the raw distribution, before any mask
             self._mask_early_eos(logits, samplers)
+            guided = [r for r, req in enumerate(samplers) if req.matcher is not None]
+            self._masks.apply(logits, guided, [samplers[r].matcher for r in guided])
             if self.on_logits is not None:
                 for r, req in enumerate(samplers):
                     self.on_logits(req.request_id, logits[r])
@@ -346,19 +369,34 @@ class LLMEngine:
                             [r.output_ids if r.params.penalized else [] for r in samplers])
             int4 = self.num_quantized_layers()
             now = time.monotonic()
-            for req, tok in zip(samplers, tokens):
+            picked = dict(zip(wants, pick(logp, [tokens[r] for r in wants], [samplers[r].params.logprobs for r in wants]))) if wants else {}
+            for r, (req, tok) in enumerate(zip(samplers, tokens)):
                 req.token_ids.append(tok)
                 self.counters.generation_tokens += 1
                 req.note_token_time(now)
                 if req.timings.first_token is None:
                     req.timings.first_token = now
-                reason = self.streams[req.request_id].add_token(tok, int4)
+                req.timings.last_token = now
+                if req.matcher is not None:
+                    advance(req.matcher, tok)
+                lp = picked.get(r)
+                if lp is not None:
+                    req.cumulative_logprob += lp.logprob
+                reason = self.streams[req.request_id].add_token(tok, int4, lp)
                 if reason:
                     self._finish(req, reason)
         decodes = sum(1 for _, n in sched.scheduled if n == 1)
         self.step_budget.observe(sched.num_tokens, decodes, time.monotonic() - t_step)
         self.counters.iterations += 1
         self._publish_stats()
+
+    @staticmethod
+    def _score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[int, Request, int]]) -> None:
+        """Row i of `logits` is position p of its request: the logprob of prompt token p + 1."""
+        entries = pick(log_probs(logits), [req.prompt_ids[p + 1] for _, req, p in scored],
+                       [req.params.prompt_logprobs for _, req, _ in scored])
+        for (_, req, _), entry in zip(scored, entries):
+            req.prompt_logprobs.append(entry)
 
     def _mask_early_eos(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         rows = [r for r, req in enumerate(reqs) if req.params.ignore_eos or req.num_output < req.params.min_tokens]
@@ -368,9 +406,10 @@ class LLMEngine:
             logits[torch.tensor(rows, dtype=torch.long)[:, None], self._eos_index[None, :]] = float("-inf")
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        stream = self.streams.pop(req.request_id)
+        stream.kv_reuse = req.kv_reuse()  # while it still holds its blocks
         self.scheduler.finish(req)
         req.timings.finished = time.monotonic()
-        stream = self.streams.pop(req.request_id)
         del self.requests[req.request_id]
         with self._lock:
             self._pending -= 1

@@ -1,7 +1,9 @@
 """Small dataclasses the engine hands to its callers (the Triton glue, the CLI, benchmarks)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .logprobs import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -9,7 +11,23 @@ class RequestTimings:
     arrival: float  # time.monotonic() when the request was added
     scheduled: float | None = None  # first time it entered the running batch
     first_token: float | None = None
+    last_token: float | None = None
     finished: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class KVReuse:
+    """A request's KV blocks by origin (the LLM-API backend's kv_cache_* outputs)."""
+
+    reused_blocks: int = 0  # prompt blocks found in the cache
+    missed_blocks: int = 0  # prompt blocks computed
+    new_blocks: int = 0  # blocks allocated for this request
+    total_blocks: int = 0  # blocks it holds (reused + new)
+
+    @property
+    def hit_rate(self) -> float:
+        prompt = self.reused_blocks + self.missed_blocks
+        return self.reused_blocks / prompt if prompt else 0.0
 
 
 @dataclass(slots=True)
@@ -27,17 +45,14 @@ class RequestOutput:
     num_output_tokens: int = 0  # cumulative
     timings: RequestTimings | None = None
     preempted: int = 0  # how many times this request was preempted and recomputed
-    # KV reuse at admission (prefix_cache.py; TensorRT-LLM's per-request kv_cache_reused_block / kv_cache_hit_rate):
-    # full prompt blocks found cached, full prompt blocks looked up and computed, prompt tokens not prefilled.
-    kv_cache_reused_blocks: int = 0
-    kv_cache_missed_blocks: int = 0
-    kv_cache_reused_tokens: int = 0
+    stop_reason: str | None = None  # on the final output: the stop string that ended it, if one did
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when params.logprobs is set
+    # On the first output, when params.prompt_logprobs is set: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
+    cumulative_logprob: float | None = None  # over every generated token so far, when params.logprobs is set
+    kv_reuse: KVReuse | None = None
     priority: int = 0
-
-    @property
-    def kv_cache_hit_rate(self) -> float:
-        looked = self.kv_cache_reused_blocks + self.kv_cache_missed_blocks
-        return self.kv_cache_reused_blocks / looked if looked else 0.0
 
 
 @dataclass(slots=True)

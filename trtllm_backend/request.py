@@ -8,7 +8,8 @@ from statistics import median
 
 import torch
 
-from .outputs import RequestTimings
+from .logprobs import TokenLogprob
+from .outputs import KVReuse, RequestTimings
 from .sampling import SamplingParams
 
 
@@ -45,6 +46,11 @@ class Request:
     reused_blocks: int = 0
     missed_blocks: int = 0
     reused_tokens: int = 0
+    # prompt_logprobs: entry i scores prompt token i + 1 (the first token has no context); filled as prefill
+    # chunks run, kept across a preemption's recompute.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # sum over the generated tokens, when params.logprobs is set
+    matcher: object | None = None  # the guide's grammar state (llguidance.LLMatcher), when params.guide is set
     token_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TPOT_TOKENS + 1))  # last emits
 
     def note_token_time(self, now: float) -> None:
@@ -69,11 +75,6 @@ class Request:
         return self.params.priority
 
     @property
-    def kv_cache_hit_rate(self) -> float:
-        looked = self.reused_blocks + self.missed_blocks
-        return self.reused_blocks / looked if looked else 0.0
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -84,6 +85,12 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids) :]
+
+    def kv_reuse(self) -> KVReuse:
+        """How much of the prompt's KV came from the cache at the request's first admission (prefix_cache.py)."""
+        blocks = len(self.block_table)
+        return KVReuse(reused_blocks=self.reused_blocks, missed_blocks=self.missed_blocks,
+                       new_blocks=max(0, blocks - self.reused_blocks), total_blocks=blocks)
 
 
 def streams_tpot(requests: list[Request]) -> float:

@@ -8,6 +8,8 @@ import torch
 from plugins.argmax import argmax_rows
 
 from .errors import InvalidRequest
+from .logprobs import MAX_TOP_LOGPROBS
+from .structured import Guide
 
 # Request priorities (vLLM's `priority`): lower is more important; each value is a class with its own metrics.
 PRIORITY_MIN, PRIORITY_MAX = -10, 10
@@ -29,6 +31,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # Scheduling, not sampling: carried here as the per-request set every surface already builds (scheduler.py).
     priority: int = 0
+    # Log probabilities (trtllm_backend/logprobs.py says of which distribution): None = not computed; k >= 0 =
+    # each generated (or, for prompt_logprobs, prompt) token's logprob and its k most likely alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    guide: Guide | None = None  # structured output: what the text must match (trtllm_backend/structured.py)
 
     def __post_init__(self):
         self.validate()
@@ -61,6 +68,18 @@ class SamplingParams:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
             raise InvalidRequest("priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is more "
                                              f"important), got {self.priority!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise InvalidRequest(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {value!r}")
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                raise InvalidRequest("guide", f"must be a Guide, got {type(self.guide).__name__}")
+            if self.ignore_eos or self.min_tokens:
+                # NOTE: the grammar decides where the text may end; a forced length would contradict it
+                raise InvalidRequest("min_tokens" if self.min_tokens else "ignore_eos",
+                                     "cannot be combined with a structured output (the grammar decides the end)")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop", "must be a list of non-empty strings")
 

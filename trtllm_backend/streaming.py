@@ -4,7 +4,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .outputs import RequestOutput
+from .logprobs import TokenLogprob
+from .outputs import KVReuse, RequestOutput
 from .request import Request
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -23,13 +24,19 @@ class OutputStream:
         self.holdback = max((len(s) for s in req.params.stop), default=1) - 1
         self.pending_ids: list[int] = []
         self.pending_int4: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs_sent = False
+        self.stop_reason: str | None = None
+        self.kv_reuse: KVReuse | None = None  # set by the engine as the request finishes (its blocks still held)
         self.done = False
 
-    def add_token(self, token: int, int4_layers: int) -> str | None:
+    def add_token(self, token: int, int4_layers: int, logprob: TokenLogprob | None = None) -> str | None:
         """Record one sampled token; emit what can be emitted. Returns a finish reason or None."""
         p, req = self.req.params, self.req
         self.pending_ids.append(token)
         self.pending_int4.append(int4_layers)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
         reason = None
         if token in self.tokenizer.eos_token_ids and not p.ignore_eos and req.num_output > p.min_tokens:
             reason = "stop"  # the end-of-sequence token itself is not part of the text
@@ -39,7 +46,9 @@ class OutputStream:
                 start = max(0, self.sent - self.holdback - 1)
                 hits = [i for i in (self.text.find(s, start) for s in p.stop) if i >= 0]
                 if hits:
-                    self.text = self.text[: min(hits)]
+                    first = min(hits)
+                    self.stop_reason = next(s for s in p.stop if self.text.find(s, start) == first)
+                    self.text = self.text[:first]
                     reason = "stop"
         if reason is None and req.num_output >= p.max_tokens:
             reason = "length"
@@ -53,6 +62,11 @@ class OutputStream:
         if not final and not delta and not self.pending_ids:
             return
         self.sent = end
+        req, p = self.req, self.req.params
+        prompt_logprobs = None
+        if p.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
+            prompt_logprobs = [None, *req.prompt_logprobs]
         out = RequestOutput(
             request_id=self.req.request_id,
             text=delta,
@@ -65,12 +79,15 @@ class OutputStream:
             num_output_tokens=self.req.num_output,
             timings=self.req.timings,
             preempted=self.req.preemptions,
-            kv_cache_reused_blocks=self.req.reused_blocks,
-            kv_cache_missed_blocks=self.req.missed_blocks,
-            kv_cache_reused_tokens=self.req.reused_tokens,
+            stop_reason=self.stop_reason if final else None,
+            logprobs=self.pending_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=list(req.prompt_ids) if prompt_logprobs is not None else None,
+            cumulative_logprob=req.cumulative_logprob if p.logprobs is not None else None,
+            kv_reuse=self.kv_reuse or req.kv_reuse(),
             priority=self.req.priority,
         )
-        self.pending_ids, self.pending_int4 = [], []
+        self.pending_ids, self.pending_int4, self.pending_logprobs = [], [], []
         try:
             self.on_output(out)
         except Exception:  # noqa: BLE001 - a broken client callback must not take the engine down

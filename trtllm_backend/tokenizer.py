@@ -21,6 +21,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def to_json(self) -> str:
+        """The tokenizer's own JSON (what grammar libraries build their token tables from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 

@@ -1,4 +1,5 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics (and a clear refusal
+of /v1/responses)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -16,9 +17,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import OpenAIError, unknown_model
+from .logprobs import Scored, chat_logprobs, completion_logprobs
 from .metrics import GatewayMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
 from .template import ChatTemplate
+from .tokens import TokenTexts
 from .triton_client import Generation, Piece, TritonBackend
 
 CLIENT_GONE = 499  # nginx's code for "client closed the request", for the gateway's own counter only
@@ -54,24 +57,46 @@ class _Call:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    texts: TokenTexts | None = None  # set when the request asked for logprobs
+    echo: str = ""  # completions' echo: the prompt, sent before the output
+    scored: Scored = field(default_factory=Scored)  # every scored token so far (a whole answer's logprobs)
+    offset: int = 0  # completions' text_offset of the next token
 
     def add(self, piece: Piece) -> None:
         self.completion_tokens += piece.tokens
         self.prompt_tokens = piece.prompt_tokens or self.prompt_tokens
         if piece.final:
             self.finish_reason = piece.finish_reason
+        if self.texts is not None:
+            self.scored.add(piece, with_prompt=bool(self.echo))
+
+    def logprobs(self, piece: Piece | None = None) -> dict | None:
+        """The logprobs of one piece (a streamed chunk) or, without one, of everything so far (a whole answer)."""
+        if self.texts is None:
+            return None
+        if piece is not None:
+            scored = Scored()
+            scored.add(piece, with_prompt=bool(self.echo))
+        else:
+            scored, self.offset = self.scored, 0
+        if self.kind == "chat":
+            return chat_logprobs(self.texts, scored)
+        obj, self.offset = completion_logprobs(self.texts, scored, self.offset)
+        return obj
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
-    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False, usage: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False, usage: bool = False,
+              piece: Piece | None = None) -> dict:
+        logprobs = self.logprobs(piece) if piece is not None else None
         if self.kind == "chat":
             delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
         if usage:  # with include_usage every chunk carries "usage": null, the last one the totals
@@ -80,18 +105,19 @@ class _Call:
 
     def whole(self, text: str) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(),
                       "finish_reason": self.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            choice = {"index": 0, "text": self.echo + text, "logprobs": self.logprobs(), "finish_reason": self.finish_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self.usage()}
 
 
-def create_app(config: GatewayConfig, template: ChatTemplate | None = None) -> FastAPI:
+def create_app(config: GatewayConfig, template: ChatTemplate | None = None, texts: TokenTexts | None = None) -> FastAPI:
     template = template or ChatTemplate.from_fragments(config.fragment_dir)
+    texts = texts or TokenTexts.from_fragments(config.fragment_dir)
     metrics = GatewayMetrics()
     started = int(time.time())
     state: dict[str, TritonBackend] = {}
@@ -152,12 +178,20 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None) -> F
         check_model(name)
         return model_card()
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        authorize(request)
+        # NOTE: a clear refusal, not a bare 404: SDKs and agent frameworks try this endpoint first. 404 (not 501),
+        # so the official client does not retry it.
+        raise OpenAIError(404, "POST /v1/responses: the Responses API is not served by this gateway; use "
+                          "POST /v1/chat/completions (or /v1/completions)", code="unsupported_endpoint")
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
         req = parse(CompletionRequest, await _json(request))
         check_model(req.model)
-        return await serve(request, "completion", req, req.text, "prompt")
+        return await serve(request, "completion", req, req.text, "prompt", echo=req.echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -167,14 +201,18 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None) -> F
         messages = [m.for_template() for m in req.messages]
         return await serve(request, "chat", req, template.render(messages), "messages")
 
-    async def serve(request: Request, kind: str, req: GenerationRequest, prompt: str, prompt_field: str):
+    async def serve(request: Request, kind: str, req: GenerationRequest, prompt: str, prompt_field: str,
+                    echo: bool = False):
         arrival = time.monotonic()
         limit_field, limit = req.output_limit
         gen = Generation(prompt, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                          stop=tuple(req.stop_list), seed=req.seed, frequency_penalty=req.frequency_penalty,
-                         presence_penalty=req.presence_penalty, min_tokens=req.min_output, priority=req.priority)
+                         presence_penalty=req.presence_penalty, min_tokens=req.min_output,
+                         logprobs=req.alternatives, prompt_logprobs=echo and req.alternatives is not None,
+                         guide=req.guide, priority=req.priority)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        call = _Call(kind, req.model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), arrival)
+        call = _Call(kind, req.model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), arrival,
+                     texts=texts if req.alternatives is not None else None, echo=prompt if echo else "")
         pieces = state["backend"].generate(gen, prompt_field, limit_field)
         endpoint = request.url.path
         metrics.in_flight.inc()
@@ -223,13 +261,16 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None) -> F
                 yield _sse(call.chunk(None, None, first=True, usage=include_usage))
             sent_text = False
             piece = first
+            echo = call.echo  # sent with the first chunk
             while True:
                 call.add(piece)
-                if piece.text or piece.final:
+                if piece.text or piece.final or piece.token_ids or echo:
                     if piece.text and not sent_text:
                         sent_text = True
                         metrics.ttft.labels(endpoint).observe(time.monotonic() - call.arrival)
-                    yield _sse(call.chunk(piece.text, call.finish_reason if piece.final else None, usage=include_usage))
+                    yield _sse(call.chunk(echo + piece.text, call.finish_reason if piece.final else None,
+                                          usage=include_usage, piece=piece))
+                    echo = ""
                 if piece.final:
                     break
                 piece = await anext(pieces)

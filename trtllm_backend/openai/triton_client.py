@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -36,6 +36,12 @@ class Generation:
     presence_penalty: float | None = None
     min_tokens: int | None = None
     priority: int | None = None
+    logprobs: int | None = None  # None: none; k: each token's logprob and its k most likely alternatives
+    prompt_logprobs: bool = False  # the prompt's tokens scored too (with the same k)
+    guide: tuple[str, str] | None = None  # structured output: (guided_decoding_guide_type, guided_decoding_guide)
+
+
+Alternatives = list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 @dataclass(slots=True)
@@ -45,6 +51,14 @@ class Piece:
     final: bool = False
     finish_reason: str | None = None  # on the final piece: "stop" or "length"
     prompt_tokens: int = 0  # the engine's count (on every piece)
+    # With Generation.logprobs: this piece's tokens, their logprobs and alternatives.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[Alternatives] = field(default_factory=list)
+    # With Generation.prompt_logprobs, on the first piece: the prompt's tokens (the first one's logprob None).
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[Alternatives] | None = None
 
 
 # Triton input -> (the OpenAI field it came from, Triton datatype, numpy type)
@@ -58,7 +72,9 @@ _INPUTS = {
     "min_length": ("min_tokens", "INT32", np.int32),
     "priority": ("priority", "INT32", np.int32),
 }
-OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop"}
+OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop", "top_logprobs": "logprobs",
+                                                                    "guided_decoding_guide": "response_format",
+                                                                    "guided_decoding_guide_type": "response_format"}
 
 
 def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
@@ -77,6 +93,15 @@ def build_inputs(gen: Generation) -> list[InferInput]:
             tensors.append(_tensor(name, np.array([[value]], dtype=dtype), datatype))
     if gen.stop:
         tensors.append(_tensor("stop_words", np.array([[s.encode() for s in gen.stop]], dtype=np.object_), "BYTES"))
+    if gen.logprobs is not None:
+        tensors.append(_tensor("top_logprobs", np.array([[gen.logprobs]], dtype=np.int32), "INT32"))
+    if gen.prompt_logprobs:
+        tensors.append(_tensor("return_prompt_log_probs", np.array([[True]]), "BOOL"))
+    if gen.guide is not None:
+        kind, guide = gen.guide
+        tensors.append(_tensor("guided_decoding_guide_type", np.array([[kind.encode()]], dtype=np.object_), "BYTES"))
+        if guide:
+            tensors.append(_tensor("guided_decoding_guide", np.array([[guide.encode()]], dtype=np.object_), "BYTES"))
     return tensors
 
 
@@ -147,8 +172,25 @@ def _piece(result) -> Piece:
         return Piece("", 0, final=True)
     reason = result.as_numpy("finish_reason")
     prompt = result.as_numpy("prompt_token_count")
-    return Piece(text=text.reshape(-1)[0].decode("utf-8"),
-                 tokens=int(result.as_numpy("output_token_count").reshape(-1)[0]),
-                 final=final,
-                 finish_reason=(reason.reshape(-1)[0].decode() or None) if reason is not None else None,
-                 prompt_tokens=int(prompt.reshape(-1)[0]) if prompt is not None else 0)
+    piece = Piece(text=text.reshape(-1)[0].decode("utf-8"),
+                  tokens=int(result.as_numpy("output_token_count").reshape(-1)[0]),
+                  final=final,
+                  finish_reason=(reason.reshape(-1)[0].decode() or None) if reason is not None else None,
+                  prompt_tokens=int(prompt.reshape(-1)[0]) if prompt is not None else 0)
+    if (ids := result.as_numpy("output_ids")) is not None:
+        piece.token_ids = ids.reshape(-1).tolist()
+        piece.logprobs = result.as_numpy("output_log_probs").reshape(-1).tolist()
+        piece.top = _alternatives(result, "output_top_ids", "output_top_logprobs", len(piece.token_ids))
+    if (ids := result.as_numpy("prompt_ids")) is not None:
+        piece.prompt_ids = ids.reshape(-1).tolist()
+        piece.prompt_logprobs = [None if np.isnan(v) else v for v in result.as_numpy("prompt_log_probs").reshape(-1).tolist()]
+        piece.prompt_top = _alternatives(result, "prompt_top_ids", "prompt_top_logprobs", len(piece.prompt_ids))
+    return piece
+
+
+def _alternatives(result, ids_name: str, values_name: str, n: int) -> list[Alternatives]:
+    ids, values = result.as_numpy(ids_name), result.as_numpy(values_name)
+    if ids is None:
+        return [[] for _ in range(n)]
+    ids, values = ids.reshape(n, -1).tolist(), values.reshape(n, -1).tolist()
+    return [[(t, v) for t, v in zip(row_ids, row_values) if t >= 0] for row_ids, row_values in zip(ids, values)]

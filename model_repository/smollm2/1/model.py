@@ -9,7 +9,6 @@ joins them all; so does a drain the launcher asks for on SIGTERM (trtllm_backend
 import itertools
 import json
 import logging
-import math
 import os
 import queue
 import sys
@@ -17,7 +16,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 try:  # installed into the stub's environment: the venv's editable install, a .pth file in the Docker images
@@ -28,7 +26,7 @@ except ImportError as exc:
 
 from trtllm_backend.errors import InvalidRequest, QueueFull
 from trtllm_backend.outputs import RequestOutput
-from trtllm_backend.sampling import SamplingParams
+from trtllm_backend.triton import interface
 from trtllm_backend.triton import params as triton_params
 from trtllm_backend.triton import shutdown
 from trtllm_backend.triton.metrics import TritonMetrics
@@ -36,129 +34,28 @@ from trtllm_backend.triton.metrics import TritonMetrics
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-@dataclass(frozen=True, slots=True)
-class InputSpec:
-    name: str  # the Triton input (TensorRT-LLM backend names)
-    kind: str  # "text", "texts", "int", "float" or "bool"
-    field: str | None = None  # the SamplingParams field it sets; None: read by the glue
-
-
-INPUTS = (
-    InputSpec("text_input", "text"),
-    InputSpec("max_tokens", "int", "max_tokens"),
-    InputSpec("temperature", "float", "temperature"),
-    InputSpec("top_k", "int", "top_k"),
-    InputSpec("top_p", "float", "top_p"),
-    InputSpec("seed", "int", "seed"),  # the name Triton's OpenAI frontend may send; random_seed is TensorRT-LLM's
-    InputSpec("random_seed", "int", "seed"),
-    InputSpec("frequency_penalty", "float", "frequency_penalty"),
-    InputSpec("presence_penalty", "float", "presence_penalty"),
-    InputSpec("min_length", "int", "min_tokens"),
-    InputSpec("priority", "int", "priority"),  # vLLM's request priority: lower is more important (scheduler.py)
-    InputSpec("stop_words", "texts", "stop"),
-    InputSpec("stream", "bool"),
-    InputSpec("exclude_input_in_output", "bool"),
-    InputSpec("beam_width", "int"),
-    InputSpec("stop", "bool"),
-)
-# Engine/SamplingParams field -> the Triton input a client sent, so every error names what the client knows.
-INPUT_OF_FIELD = {s.field: s.name for s in INPUTS if s.field} | {"prompt": "text_input", "text": "text_input"}
-
-
-def _bad(spec: InputSpec, message: str) -> InvalidRequest:
-    return InvalidRequest(spec.name, message)
-
-
-def _utf8(spec: InputSpec, value) -> str:
-    if not isinstance(value, bytes):
-        raise _bad(spec, f"must be BYTES, got {type(value).__name__}")
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _bad(spec, "is not valid UTF-8") from None
-
-
-def decode_input(spec: InputSpec, array: np.ndarray):
-    """One input tensor -> a Python value. Tolerant of shape ([1], [1, 1]) and of int/float widths;
-    strict about meaning (an integer field rejects 2.5, a boolean rejects 7)."""
-    if spec.kind == "texts":
-        if array.dtype != np.object_:
-            raise _bad(spec, f"must be BYTES, got {array.dtype}")
-        return [w for w in (_utf8(spec, v) for v in array.reshape(-1)) if w]  # empty entries are padding
-    if array.size != 1:
-        raise _bad(spec, f"must hold exactly one value, got shape {list(array.shape)}")
-    value = array.reshape(-1)[0]
-    if spec.kind == "text":
-        text = _utf8(spec, value)
-        if not text:
-            raise _bad(spec, "must not be empty")
-        return text
-    if spec.kind == "bool":
-        if array.dtype == np.bool_ or (np.issubdtype(array.dtype, np.integer) and value in (0, 1)):
-            return bool(value)
-        raise _bad(spec, f"must be a boolean, got {value!r} ({array.dtype})")
-    if not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
-        raise _bad(spec, f"must be numeric, got {array.dtype}")
-    number = value.item()
-    if not math.isfinite(number):
-        raise _bad(spec, f"must be finite, got {number!r}")
-    if spec.kind == "int":
-        if isinstance(number, float) and not number.is_integer():
-            raise _bad(spec, f"must be an integer, got {number!r}")
-        return int(number)
-    return float(number)
-
-
-@dataclass(slots=True)
-class Decoded:
-    prompt: str | None
-    params: SamplingParams | None
-    stream: bool
-    exclude_input: bool
-    stop: bool
-
-
-def decode_request(request, defaults: dict) -> Decoded:
-    values = {}
-    for spec in INPUTS:
-        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+def decode_request(request, defaults: dict) -> interface.Decoded:
+    """The request's tensors, under either TensorRT-LLM name set (trtllm_backend/triton/interface.py)."""
+    arrays = {}
+    for name in interface.BY_NAME:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
-            values[spec.name] = decode_input(spec, tensor.as_numpy())
-    stream = values.get("stream", False)
-    if values.get("stop", False):  # a cancel request: nothing else matters
-        return Decoded(None, None, stream, True, True)
-    if "text_input" not in values:
-        raise InvalidRequest("text_input", "is required")
-    if values.get("beam_width", 1) != 1:
-        raise InvalidRequest("beam_width", f"only 1 is supported, got {values['beam_width']}")
-    if "seed" in values and "random_seed" in values and values["seed"] != values["random_seed"]:
-        raise InvalidRequest("seed", "give seed or random_seed, not two different values")
-    sampling = dict(defaults)
-    sampling.update({s.field: values[s.name] for s in INPUTS if s.field and s.name in values})
-    # NOTE: as in the TensorRT-LLM backend a streamed response carries only new text; a single response
-    # echoes the prompt unless asked not to.
-    exclude = values.get("exclude_input_in_output", stream)
-    return Decoded(values["text_input"], SamplingParams(**sampling), stream, exclude, False)
+            arrays[name] = tensor.as_numpy()
+    return interface.decode_request(arrays, defaults)
 
 
 def triton_error(exc: InvalidRequest):
     """Rename engine fields to the input names a client sent (prompt -> text_input, seed -> random_seed)."""
-    name = INPUT_OF_FIELD.get(exc.field, exc.field)
+    name = interface.INPUT_OF_FIELD.get(exc.field, exc.field)
     message = str(exc)
     if message.startswith(f"{exc.field}: "):
         message = message[len(exc.field) + 2:]
     return pb_utils.TritonError(f"{name}: {message}", pb_utils.TritonError.INVALID_ARG)
 
 
-def make_response(text: str, token_count: int, int4_layers: list[int], prompt_tokens: int = 0,
-                  finish_reason: str | None = None):
-    return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-        pb_utils.Tensor("output_token_count", np.array([[token_count]], dtype=np.int32)),
-        pb_utils.Tensor("int4_layers", np.array([int4_layers], dtype=np.int32).reshape(1, -1)),
-        pb_utils.Tensor("prompt_token_count", np.array([[prompt_tokens]], dtype=np.int32)),
-        pb_utils.Tensor("finish_reason", np.array([[(finish_reason or "").encode()]], dtype=np.object_)),
-    ])
+def make_response(piece: interface.Piece, returns: interface.Returns, token_count: int | None = None):
+    outputs = interface.response_outputs(piece, returns, token_count)
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, a) for n, a in outputs.items()])
 
 
 @dataclass(slots=True)
@@ -170,8 +67,9 @@ class LiveRequest:
     sender: object
     stream: bool
     prefix: str  # the prompt, when echoed; sent with the first response
-    parts: list[str] = field(default_factory=list)  # non-streaming: text so far
-    int4: list[int] = field(default_factory=list)
+    returns: interface.Returns = field(default_factory=interface.Returns)
+    echo: str = ""  # the echoed prompt, for LLM-API streaming (each response holds the whole text)
+    total: interface.Piece = field(default_factory=interface.Piece)  # every output so far, joined
     cancelled: bool = False
     closed: bool = False  # the final response was sent
     # NOTE: is_cancelled() after the final response dereferences a freed response factory in Triton 2.51
@@ -246,12 +144,13 @@ class TritonPythonModel:
             decoded = decode_request(request, self.params.sampling)
             if decoded.stop:
                 self._stop_by_triton_id(triton_id)
-                sender.send(make_response("", 0, []), flags=FINAL)
+                sender.send(make_response(interface.Piece(), interface.Returns()), flags=FINAL)
                 return
             if self.closing:
                 raise QueueFull("the model is shutting down")
-            live = LiveRequest(f"{triton_id or 'req'}#{next(self.ids)}", triton_id, sender, decoded.stream,
-                               "" if decoded.exclude_input else decoded.prompt)
+            echo = "" if decoded.exclude_input else decoded.prompt
+            live = LiveRequest(f"{triton_id or 'req'}#{next(self.ids)}", triton_id, sender, decoded.stream, echo,
+                               decoded.returns, echo)
             with self.lock:  # registered first: on_output may run before add_request returns
                 self.live[live.rid] = live
             self.engine.add_request(decoded.prompt, decoded.params, lambda out, live=live: self.outbox.put((live, out)),
@@ -304,22 +203,21 @@ class TritonPythonModel:
                     f"the server is shutting down: request aborted after drain_timeout_s="
                     f"{self.params.model.drain_timeout_s:g}", pb_utils.TritonError.UNAVAILABLE)), final=True)
             elif live.stream:
-                text = live.take_prefix() + out.text
-                if text or out.token_ids:
-                    live.send(make_response(text, len(out.token_ids), out.int4_layers, out.num_prompt_tokens,
-                                            out.finish_reason), final=out.finished)
-                elif out.finished and out.finish_reason in ("stop", "length"):
-                    # NOTE: a response, not a bare final flag: the client learns why it ended (OpenAI's finish_reason)
-                    live.send(make_response("", 0, [], out.num_prompt_tokens, out.finish_reason), final=True)
+                live.total.add(out)
+                piece = interface.Piece()
+                piece.add(out)
+                # NOTE: the LLM-API backend streams the whole text so far; the TensorRT-engine one the new text
+                piece.text = live.echo + live.total.text if live.returns.cumulative_text else live.take_prefix() + out.text
+                if out.text or out.token_ids or (out.finished and out.finish_reason in ("stop", "length")):
+                    # NOTE: an empty final piece is a response, not a bare flag: the client learns why it ended
+                    live.send(make_response(piece, live.returns), final=out.finished)
                 elif out.finished:
                     live.send(final=True)
             else:
-                live.parts.append(out.text)
-                live.int4.extend(out.int4_layers)
+                live.total.add(out)
                 if out.finished:
-                    text = live.take_prefix() + "".join(live.parts)
-                    live.send(make_response(text, out.num_output_tokens, live.int4, out.num_prompt_tokens,
-                                            out.finish_reason), final=True)
+                    live.total.text = live.take_prefix() + live.total.text
+                    live.send(make_response(live.total, live.returns, out.num_output_tokens), final=True)
         except Exception as exc:  # the client may be gone; the request still has to be accounted
             log_error(f"sending a response for {live.rid} failed: {exc!r}")
         if out.finished:
