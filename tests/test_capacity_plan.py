@@ -119,3 +119,16 @@ def test_overload_probes_every_policy_at_a_multiple_of_fulls_capacity_and_marks_
 def test_an_overload_multiple_of_one_or_less_is_refused(tmp_path):
     with pytest.raises(ValueError, match="must be above 1"):
         Plan([KINDS["conv"]], [256], ["full"], [0], tmp_path, overload=1.0)
+
+
+def test_a_small_pool_is_judged_by_the_kv_each_server_starts_with(tmp_path):
+    from tools.capacity.plan import check_starting_kv
+
+    conv = KINDS["conv-kv"]
+    # The INT8 head's freed bytes become KV at load: the nominal pool no longer decides, each server does.
+    Plan([conv], [256], ["full", "balanced"], [0], tmp_path, params={"lm_head_precision": "int8"})
+    with pytest.raises(ValueError, match="cannot hold one conv-kv request"):
+        Plan([conv], [256], ["full"], [0], tmp_path, params={"lm_head_precision": "full"})
+    assert check_starting_kv({"kv_blocks": 92}, 16, conv, 256, "full") == 1472
+    with pytest.raises(ValueError, match=r"full\+lm_head=full at pool 256 starts with 256 KV tokens"):
+        check_starting_kv({"kv_blocks": 16}, 16, conv, 256, "full+lm_head=full")

@@ -5,6 +5,7 @@ between probes each is left to go idle (and a dynamic one to restore its layers)
 from __future__ import annotations
 
 import contextlib
+import urllib.request
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from tools.capacity.slo import Slos
 from tools.capacity.traffic import Traffic
 from tools.replay.paths import REPO_ROOT
 from tools.replay.prompts import DEFAULT_CORPUS, DEFAULT_FRAGMENTS, PromptSource, load_tokenizer
+from tools.replay.sampler import snapshot
 from tools.replay.servers import DYNAMIC, Server, slug, wait_idle
 from tools.replay.settings import DEFAULT_PARAMS
 
@@ -27,6 +29,28 @@ BASE_PARAMS = {**DEFAULT_PARAMS, "max_queue_size": "1024"}
 
 # Policy variant names that set a server parameter of their own rather than a controller threshold.
 VARIANT_PARAMS = {"lm_head": "lm_head_precision"}
+# Parameters under which a server starts with more KV than the nominal pool (the INT8 head's freed bytes, or a
+# budget of its own): the pool is then checked against what each server reports at start, not by its number.
+KV_ENLARGING = {"lm_head_precision": "int8", "memory_budget_bytes": None}
+
+
+def enlarges_kv(params: dict[str, str]) -> bool:
+    return any(k in params and (v is None or params[k] == v) for k, v in KV_ENLARGING.items())
+
+
+def check_starting_kv(snap: dict[str, float], block_size: int, traffic: Traffic, pool: int, policy: str) -> int:
+    """The KV tokens a server started with (its metrics scrape); refuses one that cannot hold the traffic's
+    longest request, naming the policy and the pool (every such request would be refused: a probe of errors)."""
+    tokens = int(snap.get("kv_blocks", 0)) * block_size
+    if tokens < traffic.max_tokens():
+        raise ValueError(f"{policy} at pool {pool} starts with {tokens} KV tokens: it cannot hold one {traffic.name} "
+                         f"request of up to {traffic.max_tokens()} tokens")
+    return tokens
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        return snapshot(resp.read().decode())
 
 
 def policy_params(policy: str) -> tuple[str, dict[str, str]]:
@@ -68,7 +92,7 @@ class Plan:
             policy_params(p)  # refuse a malformed variant before any server starts
         for t in self.traffic:
             small = [p for p in self.pools if p < t.max_tokens()]
-            if small:
+            if small and not enlarges_kv(self.params):  # else each server is checked as it starts (server())
                 raise ValueError(f"pool(s) {small} cannot hold one {t.name} request of up to {t.max_tokens()} tokens")
 
     def server_params(self, pool: int) -> dict[str, str]:
@@ -91,8 +115,11 @@ class Plan:
                             logs = REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}" / slug(policy)
                             started = {"server_started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
                                        **{f"server_{k}": v for k, v in provenance().items()}}  # the code it runs
-                            servers[policy] = stack.enter_context(Server(base, {**self.server_params(pool), **morph}, logs))
+                            params = {**self.server_params(pool), **morph}
+                            servers[policy] = stack.enter_context(Server(base, params, logs))
                             server_started[policy] = started
+                            check_starting_kv(scrape(servers[policy].metrics_url), int(params.get("block_size", 16)),
+                                              traffic, pool, policy)
                         else:
                             wait_idle(servers[policy].metrics_url, policy_params(policy)[0] in DYNAMIC)
                         return servers[policy]
