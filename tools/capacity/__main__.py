@@ -101,7 +101,11 @@ def main(argv=None) -> int:
         # even when a shell started the plan in the background with SIGINT ignored.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        plan.run()
+        try:
+            plan.run()
+        except ValueError as exc:  # a server that cannot hold the traffic (plan.check_starting_kv)
+            print(f"python -m tools.capacity: error: {exc}", file=sys.stderr)
+            return 2
     if not args.no_report:
         from tools.capacity.report import write_report  # matplotlib only when a report is written
 

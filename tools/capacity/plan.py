@@ -5,6 +5,7 @@ between probes each is left to go idle (and a dynamic one to restore its layers)
 from __future__ import annotations
 
 import contextlib
+import time
 import urllib.request
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
@@ -48,9 +49,15 @@ def check_starting_kv(snap: dict[str, float], block_size: int, traffic: Traffic,
     return tokens
 
 
-def scrape(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        return snapshot(resp.read().decode())
+def starting_kv(metrics_url: str, timeout_s: float = 60.0) -> dict[str, float]:
+    """The first scrape that reports the KV pool (the model publishes its gauges a moment after it is ready)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+            snap = snapshot(resp.read().decode())
+        if snap.get("kv_blocks") or time.monotonic() > deadline:
+            return snap
+        time.sleep(0.2)
 
 
 def policy_params(policy: str) -> tuple[str, dict[str, str]]:
@@ -118,7 +125,7 @@ class Plan:
                             params = {**self.server_params(pool), **morph}
                             servers[policy] = stack.enter_context(Server(base, params, logs))
                             server_started[policy] = started
-                            check_starting_kv(scrape(servers[policy].metrics_url), int(params.get("block_size", 16)),
+                            check_starting_kv(starting_kv(servers[policy].metrics_url), int(params.get("block_size", 16)),
                                               traffic, pool, policy)
                         else:
                             wait_idle(servers[policy].metrics_url, policy_params(policy)[0] in DYNAMIC)
