@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trtllm_backend.priority import PRIORITY_MAX, PRIORITY_MIN
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "morphserve.json"
 METRICS_SRC = ROOT / "trtllm_backend" / "triton" / "metrics.py"
 
+PRIORITY_LABELS = {str(p) for p in range(PRIORITY_MIN, PRIORITY_MAX + 1)}
 # The fixed metric contract (used when the glue's source is absent): name -> allowed label values.
 EXPORTED = {
     "morphserve_requests": {"state": {"active", "waiting", "scheduled"}},
@@ -37,10 +40,16 @@ EXPORTED = {
     "morphserve_swap_failures_total": {},
     "morphserve_restores_called_off_total": {},
     "morphserve_invariant_violations_total": {},
+    "morphserve_prefix_cache_blocks_total": {"result": {"hit", "miss"}},
+    "morphserve_prefix_cache_reused_tokens_total": {},
+    "morphserve_prefix_cache_evictions_total": {},
+    "morphserve_prefix_cache_hit_rate": {},
+    "morphserve_requests_waiting_by_priority": {"priority": PRIORITY_LABELS},
 }
 HISTOGRAMS = {"morphserve_time_to_first_token_seconds", "morphserve_time_per_output_token_seconds",
               "morphserve_e2e_request_latency_seconds", "morphserve_request_queue_time_seconds",
-              "morphserve_swap_prepare_seconds", "morphserve_swap_apply_seconds"}
+              "morphserve_swap_prepare_seconds", "morphserve_swap_apply_seconds",
+              "morphserve_priority_time_to_first_token_seconds", "morphserve_priority_request_queue_time_seconds"}
 NAME_RE = re.compile(r"\bmorphserve_[a-z0-9_]+")
 
 

@@ -251,7 +251,10 @@ def grpc_results(url: str, tensors: list, timeout: float = 60.0) -> list:
 
 
 def test_llmapi_names_stream_the_whole_text_and_report_timing(triton_server):
-    prompt = "The capital of France is"
+    # Longer than two KV blocks, so the plain request leaves full blocks in the prefix cache for the second.
+    prompt = ("Paris is the capital and largest city of France. It sits on the Seine river in the north of the "
+              "country, and it has been a centre of finance, diplomacy, commerce, fashion and science for "
+              "centuries. The capital of France is")
     plain = stream_generate(triton_server.grpc_url, prompt, 8)
     results = grpc_results(triton_server.grpc_url, named(
         text_input=prompt, sampling_param_max_tokens=8, streaming=True, sampling_param_temperature=0.0,
@@ -267,8 +270,9 @@ def test_llmapi_names_stream_the_whole_text_and_report_timing(triton_server):
     assert one["finish_reason"] == b"length" and one["stop_reason"] == b""
     assert one["cumulative_logprob"] < 0
     assert 0 < one["arrival_time_ns"] <= one["first_scheduled_time_ns"] <= one["first_token_time_ns"] <= one["last_token_time_ns"]
-    assert one["kv_cache_reused_block"] == 0 and one["kv_cache_missed_block"] >= 1 and one["kv_cache_hit_rate"] == 0
-    assert one["kv_cache_alloc_total_blocks"] >= one["kv_cache_missed_block"] and one["total_draft_tokens"] == 0
+    # the plain request left its full prompt blocks cached; nothing runs in between to evict them
+    assert one["kv_cache_reused_block"] >= 1 and 0 < one["kv_cache_hit_rate"] <= 1
+    assert one["kv_cache_alloc_total_blocks"] >= one["kv_cache_reused_block"] and one["total_draft_tokens"] == 0
 
 
 def test_llmapi_names_over_http_and_refusals_by_name(triton_server):

@@ -8,7 +8,7 @@ import torch
 
 from .controller import parse_forced
 from .precision import LM_HEAD_PRECISIONS
-from .sampling import PRIORITY_MAX, PRIORITY_MIN
+from .priority import PRIORITY_MAX, PRIORITY_MIN, is_priority
 
 
 def _positive(name: str, value) -> None:
@@ -99,7 +99,7 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         cutoff = self.morph_priority_cutoff
-        if isinstance(cutoff, bool) or not isinstance(cutoff, int) or not PRIORITY_MIN <= cutoff <= PRIORITY_MAX:
+        if not is_priority(cutoff):
             raise ValueError(f"morph_priority_cutoff must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {cutoff!r}")
         if self.memory_budget_bytes is not None:
             _positive("memory_budget_bytes", self.memory_budget_bytes)

@@ -9,10 +9,8 @@ from plugins.argmax import argmax_rows
 
 from .errors import InvalidRequest
 from .logprobs import MAX_TOP_LOGPROBS
+from .priority import PRIORITY_MAX, PRIORITY_MIN, is_priority
 from .structured import Guide
-
-# Request priorities (vLLM's `priority`): lower is more important; each value is a class with its own metrics.
-PRIORITY_MIN, PRIORITY_MAX = -10, 10
 
 
 @dataclass(slots=True)
@@ -65,7 +63,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (-2.0 <= value <= 2.0):
                 raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+        if not is_priority(self.priority):
             raise InvalidRequest("priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is more "
                                              f"important), got {self.priority!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 from ..controller import POLICY_NAMES, is_policy_spec
 from ..precision import LM_HEAD_PRECISIONS
-from ..sampling import PRIORITY_MAX, PRIORITY_MIN
+from ..priority import PRIORITY_MAX, PRIORITY_MIN
 
 
 class ParamError(ValueError):
