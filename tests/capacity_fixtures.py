@@ -24,7 +24,7 @@ def records(n: int, good: int, int4: int = 0) -> list[RequestRecord]:
 
 
 def put(root: Path, traffic: str, pool: int, policy: str, seed: int, rate: float, n: int, good: int,
-        int4: int = 0, load=(1.0, 1.5), started="2026-12-01 00:00:00", batch: float = 4.0) -> Path:
+        int4: int = 0, load=(1.0, 1.5), started="2026-12-01 00:00:00", batch: float = 4.0, repeat: int = 0) -> Path:
     recs = records(n, good, int4)
     samples = [{"t": 0.5 * k, "active": batch + 1, "scheduled": batch, "waiting": 1, "kv_blocks": 32, "kv_used": 24,
                 "kv_capacity": 16, "int4_layers": int4, "preemptions": 7 + k, "swaps_down": 3} for k in range(4)]
@@ -36,4 +36,5 @@ def put(root: Path, traffic: str, pool: int, policy: str, seed: int, rate: float
              "traffic_described": f"{traffic}: fixture", "workload": "fixture workload", "started_utc": started,
              "wall_s": 1.0, "load_avg_1m": list(load), "load_avg_5m_end": 1.0, "cpus": 2, "commit": "abc1234",
              "dirty": [], "server_params": {"max_tokens_in_paged_kv_cache": str(pool)}}
-    return store.save(root, store.ProbeKey(traffic, pool, policy, seed, rate), ReplayResult(recs, samples, [0.2]), probe)
+    return store.save(root, store.ProbeKey(traffic, pool, policy, seed, rate, repeat), ReplayResult(recs, samples, [0.2]),
+                      probe)

@@ -116,6 +116,30 @@ def test_overload_probes_every_policy_at_a_multiple_of_fulls_capacity_and_marks_
         assert store.load_probe(store.ProbeKey("conv", 256, policy, 0, 0.375).path(tmp_path))["overload_of_full"] == 1.25
 
 
+def test_repeats_rerun_the_probes_either_side_of_each_capacity_and_change_no_capacity(tmp_path, capsys):
+    stored_search(tmp_path)  # full: pass x0.3, fail x0.3674; balanced: pass x0.45, fail x0.5511
+    again = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4,
+                 repeat_nearest=1)
+    with pytest.raises(ServerWanted, match="full"):
+        again._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+    for policy, rate, good in [("full", 0.3, 85), ("full", 0.3674, 70), ("balanced", 0.45, 96), ("balanced", 0.5511, 91)]:
+        put(tmp_path, "conv", 256, policy, 0, rate, 100, good, repeat=1)
+    again._run_pool(KINDS["conv"], 256, no_server, prompts=None)
+    out = capsys.readouterr().out
+    assert out.count("(repeat 1)") == 4 and "x0.3 (repeat 1)" in out and "x0.5511 (repeat 1)" in out
+    assert "full: capacity x0.3 (converged" in out and "balanced: capacity x0.45 (converged" in out
+    assert len(store.stored(tmp_path)) == 7 and len(store.repeats(tmp_path)) == 4
+
+
+def test_repeat_paths_are_apart_from_the_searches_probes(tmp_path):
+    first = put(tmp_path, "conv", 256, "full", 0, 0.3, 10, 10)
+    second = put(tmp_path, "conv", 256, "full", 0, 0.3, 10, 5, repeat=2)
+    assert second.name == "x0.3.r2.json" and store.load_probe(second)["repeat"] == 2
+    assert store.stored(tmp_path) == [first] and store.repeats(tmp_path) == [second]
+    with pytest.raises(ValueError, match="repeat_nearest"):
+        Plan([KINDS["conv"]], [256], ["full"], [0], tmp_path, repeat_nearest=-1)
+
+
 def test_an_overload_multiple_of_one_or_less_is_refused(tmp_path):
     with pytest.raises(ValueError, match="must be above 1"):
         Plan([KINDS["conv"]], [256], ["full"], [0], tmp_path, overload=1.0)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from tests.capacity_fixtures import put
-from tools.capacity.analysis import analyse, seed_capacity
+from tools.capacity.analysis import analyse, seed_capacity, within_seed_noise
 from tools.capacity import store
 from tools.capacity.report import write_report
 from tools.capacity.stats import mean_interval, ratio_interval
@@ -89,6 +89,25 @@ def test_report_and_json(folder, quality, tmp_path):
     assert (cell["traffic"], cell["pool_tokens"]) == ("conv", 256)
     assert cell["policies"]["balanced"]["ratio_to_full"]["mean"] == pytest.approx(ratio.mean)
     assert cell["policies"]["full"]["capacity_req_s"]["mean"] == pytest.approx(10 * sum(c for c, _ in CAPS.values()) / 3)
+
+
+def test_within_seed_noise_is_reported_beside_capacities_it_does_not_change(folder, quality, tmp_path):
+    # seed 0's probes either side of full's capacity, run twice more: the pass at x0.1 fails once (85/100)
+    for repeat, good_at_cap, good_above in ((1, 92, 70), (2, 85, 55)):
+        put(folder, "conv", 256, "full", 0, 0.1, 100, good_at_cap, repeat=repeat)
+        put(folder, "conv", 256, "full", 0, 0.12, 100, good_above, repeat=repeat)
+    rows = within_seed_noise(folder, "conv", 256)
+    assert [(r.policy, r.seed, r.rate) for r in rows] == [("full", 0, 0.1), ("full", 0, 0.12)]
+    assert rows[0].attainments == [0.95, 0.92, 0.85] and rows[0].verdicts == [True, True, False]
+    assert rows[0].spread == pytest.approx(0.10) and not rows[0].verdicts_agree and rows[1].verdicts_agree
+    json_path = tmp_path / "capacity.json"
+    write_report(folder, json_path, quality, "python -m tools.capacity --fixture")
+    text = (folder / "report.md").read_text()
+    assert "| full | 0 | 0.1 | 95.0% / 92.0% / 85.0% | 10.0 pts | **differ** (pass, pass, fail) |" in text
+    assert "verdicts differ in 1 of them" in text
+    cell = json.loads(json_path.read_text())["cells"][0]
+    assert cell["policies"]["full"]["capacity_req_s"]["mean"] == pytest.approx(10 * sum(c for c, _ in CAPS.values()) / 3)
+    assert [r["attainments"] for r in cell["within_seed_noise"]] == [[0.95, 0.92, 0.85], [0.6, 0.7, 0.55]]
 
 
 def test_regime_map_with_two_pools(folder, quality, tmp_path, monkeypatch):

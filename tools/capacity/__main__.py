@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overload", type=float, default=DEFAULT_FACTOR,
                     help="after each seed's searches, probe every policy at this multiple of full's capacity "
                          "(issue 12's overload targets; 0: not)")
+    ap.add_argument("--repeat-nearest", type=int, default=0, metavar="K",
+                    help="after each seed's search, run the probes either side of each capacity K more times "
+                         "(the within-seed noise, in the report; capacities still come from the search alone)")
     ap.add_argument("--param", action="append", default=[], type=_param, help="server parameter NAME=VALUE")
     ap.add_argument("--ttft-slo-s", type=float, default=Slos().ttft_s, help="keep the default across commits")
     ap.add_argument("--tpot-slo-s", type=float, default=Slos().tpot_s, help="keep the default across commits")
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
                 traffic = [replace(t, start_rate_scale=args.start_rate) for t in traffic]
             plan = Plan(traffic, args.pools, [p.strip() for p in args.policies.split(",") if p.strip()],
                         args.seeds, out, dict(args.param), Slos(args.ttft_slo_s, args.tpot_slo_s), args.precision,
-                        args.max_probes, args.force, args.progress, args.warm_bracket, args.overload or None)
+                        args.max_probes, args.force, args.progress, args.warm_bracket, args.overload or None,
+                        args.repeat_nearest)
         except ValueError as exc:
             ap.error(str(exc))
         _remember(out, command)

@@ -159,3 +159,42 @@ def same_rate(root: Path, traffic: str, pool: int, quality: dict[int, float] | N
             by[(p["seed"], p["rate"])][p["policy"]] = path
     return [(seed, rate, {pol: probe_numbers(path, quality) for pol, path in paths.items()})
             for (seed, rate), paths in sorted(by.items()) if REFERENCE in paths and len(paths) > 1]
+
+
+@dataclass
+class RepeatedProbe:
+    """One (policy, seed, rate) run more than once: the search's probe first, then its repeats."""
+    policy: str
+    seed: int
+    rate: float
+    attainments: list[float]
+    verdicts: list[bool]
+
+    @property
+    def spread(self) -> float:
+        """max - min attainment: how far one probe moves with nothing changed but the moment it ran."""
+        return max(self.attainments) - min(self.attainments)
+
+    @property
+    def verdicts_agree(self) -> bool:
+        return len(set(self.verdicts)) == 1
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "seed": self.seed, "rate_scale": self.rate, "attainments": self.attainments,
+                "verdicts": self.verdicts, "spread": self.spread, "verdicts_agree": self.verdicts_agree}
+
+
+def within_seed_noise(root: Path, traffic: str, pool: int) -> list[RepeatedProbe]:
+    """Every probe of this cell that was repeated (plan.repeat_nearest), with the search's own run first."""
+    runs: dict[tuple[str, int, float], list[dict]] = defaultdict(list)
+    for path in store.stored(root) + store.repeats(root):  # the search's probe first, then repeats in order
+        p = store.load_probe(path)
+        if p["traffic"] == traffic and p["pool"] == pool:
+            runs[(p["policy"], p["seed"], p["rate"])].append(p)
+    out = []
+    for (policy, seed, rate), probes in sorted(runs.items()):
+        if len(probes) > 1:
+            probes.sort(key=lambda p: p.get("repeat", 0))
+            out.append(RepeatedProbe(policy, seed, rate, [p["attainment"] for p in probes],
+                                     [bool(p["attained"]) for p in probes]))
+    return out

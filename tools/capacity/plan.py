@@ -91,8 +91,11 @@ class Plan:
     progress: bool = False
     warm_bracket: bool = False  # seeds after the first bracket around the previous capacity in precision steps
     overload: float | None = None  # then every policy at this multiple of full's capacity, per seed (overload.py)
+    repeat_nearest: int = 0  # then each policy's probes either side of its capacity run this many times more
 
     def __post_init__(self):
+        if self.repeat_nearest < 0:
+            raise ValueError(f"repeat_nearest {self.repeat_nearest}: must be >= 0")
         if self.overload is not None and self.overload <= 1:
             raise ValueError(f"overload multiple {self.overload:g}: must be above 1 (full's capacity x it)")
         for p in self.policies:
@@ -151,6 +154,12 @@ class Plan:
                     start[policy] = search.capacity
                     if self.warm_bracket:  # seeds agree to ~10%: 2-3 probes a seed, not 5
                         grow[policy] = warm_grow(self.precision)
+            # The verdicts a capacity rests on, run again: how far one probe's attainment moves at the same seed
+            # and rate is what a reader needs to weigh one bisection step (repeats never change a capacity).
+            for k in range(1, self.repeat_nearest + 1):
+                for policy, search in searches.items():
+                    for rate in (r for r in (search.lo, search.hi) if r is not None):
+                        self._probe(traffic, pool, policy, seed, rate, server, prompts, server_started, repeat=k)
             full = searches.get(REFERENCE)
             if self.overload and full and full.capacity:  # the same requests past full's capacity, back to back
                 rate = overload_rate(full.capacity, self.overload)
@@ -158,10 +167,10 @@ class Plan:
                     self._probe(traffic, pool, policy, seed, rate, server, prompts, server_started, self.overload)
 
     def _probe(self, traffic: Traffic, pool: int, policy: str, seed: int, rate: float, server, prompts,
-               server_started: dict | None, overload: float | None = None) -> dict:
+               server_started: dict | None, overload: float | None = None, repeat: int = 0) -> dict:
         """The stored probe, or a new one run and stored; an overload probe is marked with its multiple (a stored
         probe that happens to sit at that rate is marked, not run again)."""
-        key = store.ProbeKey(traffic.name, pool, policy, seed, rate)
+        key = store.ProbeKey(traffic.name, pool, policy, seed, rate, repeat)
         path = key.path(self.out)
         if path.exists() and not self.force:
             probe = store.load_probe(path)
@@ -176,7 +185,8 @@ class Plan:
                 probe[MARK] = overload
             store.save(self.out, key, res, probe)
             how = f"ran {probe['wall_s']:.0f} s, load {probe['load_avg_1m'][0]:.1f}->{probe['load_avg_1m'][1]:.1f}"
-        what = f"x{rate:g}" + (f" (x{overload:g} full's capacity)" if overload else "")
+        what = (f"x{rate:g}" + (f" (x{overload:g} full's capacity)" if overload else "")
+                + (f" (repeat {repeat})" if repeat else ""))
         print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy:>11} {what}: "
               f"{probe['requests']} req at {probe['offered_req_s']:.2f} req/s, attainment "
               f"{probe['attainment']:.1%} -> {'pass' if probe['attained'] else 'fail'} ({how})", flush=True)

@@ -8,8 +8,10 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
+
 from tools.capacity import overload, plots, store
-from tools.capacity.analysis import REFERENCE, PolicyResult, analyse, same_rate
+from tools.capacity.analysis import REFERENCE, PolicyResult, RepeatedProbe, analyse, same_rate, within_seed_noise
 from tools.capacity.slo import SENSITIVITY, TARGET_ATTAINMENT
 from tools.capacity.stats import CONFIDENCE, Interval
 from tools.replay import metrics as rm
@@ -134,6 +136,24 @@ def same_rate_table(rows: list[tuple[int, float, dict]]) -> list[str]:
     return out + [""]
 
 
+def noise_section(rows: list[RepeatedProbe]) -> tuple[list[str], list[dict]]:
+    """Markdown and JSON: the probes either side of each capacity, run again at the same seed and rate."""
+    if not rows:
+        return [], []
+    out = ["Within-seed noise: the probes either side of each capacity, repeated (same seed, same rate; the "
+           "capacity above comes from the search's own probe alone):", "",
+           "| policy | seed | rate scale | attainment, search's probe then repeats | spread (max - min) "
+           "| verdicts |", "|---" * 6 + "|"]
+    for r in rows:
+        out.append(f"| {r.policy} | {r.seed} | {r.rate:g} | {' / '.join(f'{a:.1%}' for a in r.attainments)} "
+                   f"| {r.spread * 100:.1f} pts | {'agree' if r.verdicts_agree else '**differ**'} "
+                   f"({', '.join('pass' if v else 'fail' for v in r.verdicts)}) |")
+    spreads = [r.spread for r in rows]
+    out += ["", f"Median spread {float(np.median(spreads)) * 100:.1f} points over {len(rows)} repeated probes; "
+                f"verdicts differ in {sum(not r.verdicts_agree for r in rows)} of them.", ""]
+    return out, [r.as_dict() for r in rows]
+
+
 def _pc(x) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
@@ -225,6 +245,8 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
         lines += same_rate_table(same_rate(out, traffic, pool, quality))
         over_lines, over_data = overload_section(overload.pairs(out, traffic, pool, quality), traffic.startswith("conv"))
         lines += over_lines
+        noise_lines, noise_data = noise_section(within_seed_noise(out, traffic, pool))
+        lines += noise_lines
         name = f"{traffic}_pool{pool}"
         plots.attainment(out / f"attainment_{name}.png", f"{traffic}, pool {pool}", ordered)
         lines += [f"![attainment](attainment_{name}.png)", ""]
@@ -244,7 +266,8 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
                       "policies": {p: {**r.as_dict(), "kv_tokens_start": _mean(r.at_capacity, "kv_tokens_start"),
                                        "kv_tokens_peak": _mean(r.at_capacity, "kv_tokens_peak")}
                                    for p, r in ordered.items()},
-                      **({"overload": over_data} if over_data else {})})
+                      **({"overload": over_data} if over_data else {}),
+                      **({"within_seed_noise": noise_data} if noise_data else {})})
     pools = {pool for _, pool in result}
     if len(pools) > 1:
         plots.regime_map(out / "regime_map.png", result, policies)

@@ -1,6 +1,7 @@
 """One probe's raw result on disk, one JSON file per (traffic, pool, policy, seed, rate scale):
 
     <out>/raw/<traffic>/pool<tokens>/<policy>/seed<n>/x<rate>.json
+    <out>/raw/<traffic>/pool<tokens>/<policy>/seed<n>/x<rate>.r<k>.json   (the k-th repeat of that probe)
 
 holding every request's record and the server's metrics over time (tools.replay.result's raw format) plus a
 `probe` block: the key, the verdict, the SLOs, when, on which commit, at what machine load. A plan run skips
@@ -9,6 +10,7 @@ a probe whose file exists (resumable); --force runs it again and overwrites it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,10 +25,12 @@ class ProbeKey:
     policy: str
     seed: int
     rate: float  # rate scale, 4 significant digits (search.round_rate)
+    repeat: int = 0  # 0: the search's probe; k > 0: its k-th repeat (the within-seed noise, plan.repeat_nearest)
 
     def path(self, root: Path) -> Path:
+        again = f".r{self.repeat}" if self.repeat else ""
         return (root / "raw" / self.traffic / f"pool{self.pool}" / slug(self.policy) / f"seed{self.seed}"
-                / f"x{self.rate:g}.json")
+                / f"x{self.rate:g}{again}.json")
 
 
 def _replace_with(path: Path, data: dict) -> None:
@@ -69,5 +73,14 @@ def load_result(path: Path) -> tuple[dict, ReplayResult]:
     return load_probe(path), result
 
 
+_REPEAT = re.compile(r"\.r\d+$")
+
+
 def stored(root: Path) -> list[Path]:
-    return sorted((root / "raw").glob("*/pool*/*/seed*/x*.json"))
+    """The searches' probes (one per rate): what capacities are computed from."""
+    return [p for p in sorted((root / "raw").glob("*/pool*/*/seed*/x*.json")) if not _REPEAT.search(p.stem)]
+
+
+def repeats(root: Path) -> list[Path]:
+    """Repeats of probes already in stored(): evidence of the within-seed noise, never of a capacity."""
+    return [p for p in sorted((root / "raw").glob("*/pool*/*/seed*/x*.json")) if _REPEAT.search(p.stem)]
