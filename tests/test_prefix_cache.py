@@ -122,7 +122,7 @@ def test_a_request_stops_caching_once_the_weights_change_under_it():
     s = Scheduler(p, max_batch_size=8, max_num_tokens=4)  # one block per iteration
     a = req("a", range(13))
     s.add(a)
-    advance(out := s.schedule())
+    advance(s.schedule())
     p.cache.cache_computed(a)
     assert len(p.cache.block_of) == 1
     p.cache.set_weights((7,))  # a morph between two chunks: the rest of a's KV mixes precisions
@@ -214,7 +214,7 @@ def test_greedy_outputs_with_reuse_equal_those_without():
         stats = engine.pool.cache.stats
         outputs[caching] = (got, gaps, stats.reused_tokens, engine.counters.prompt_tokens)
         assert engine.counters.invariant_violations == 0
-    (on, on_gaps, reused, prefilled_on), (off, _, _, prefilled_off) = outputs[True], outputs[False]
+    (on, _, reused, prefilled_on), (off, _, _, prefilled_off) = outputs[True], outputs[False]
     assert reused > 0 and prefilled_on == prefilled_off - reused  # reused tokens are never prefilled
     for a, gaps, b in zip(off, outputs[False][1], on):
         assert_same_up_to_near_tie(a, gaps, b)

@@ -51,7 +51,8 @@ def run(fragment_dir, device: str, threads: int | None, shape, deadline: float, 
             rid = f"r{added[0]}"
             added[0] += 1
             ids = torch.randint(2, shape.config.vocab_size, (PROMPT,), generator=gen).tolist()
-            engine.add_request(prompt(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            # add() only runs before the `finally` below deletes engine
+            engine.add_request(prompt(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True),  # noqa: F821
                                outs.callback(rid, on_finish=finished.append), request_id=rid)
 
         for _ in range(B):

@@ -55,7 +55,7 @@ def write_report(args, out: Path, described: str, window_s) -> None:
           "```bash", command, "```", "", f"- run: {describe(run)}"
           + (f"; sweep: {describe(sweep)}" if sweep and sweep.get("commit") else ""),
           f"- workload: {described}".replace("\n", "\n  "),
-          f"- server settings (same for every policy): "
+          "- server settings (same for every policy): "
           + ", ".join(f"`{k}={v}`" for k, v in sorted(args.params.items())),
           (f"- TTFT SLO: {args.slo_s:.2f} s (--ttft-slo-ms) for every run" if args.slo_s is not None else
            f"- TTFT SLO: {slo.ttft_s:.2f} s for every run = {args.slo_multiple:g}x the median unloaded TTFT of all runs' "

@@ -87,8 +87,8 @@ def build_inputs(gen: Generation) -> list[InferInput]:
     """Tensors as TensorRT-LLM clients send them (shape [1, 1]); unset fields are left to the model."""
     tensors = [_tensor("text_input", np.array([[gen.prompt.encode()]], dtype=np.object_), "BYTES"),
                _tensor("stream", np.array([[True]]), "BOOL")]
-    for name, (field, datatype, dtype) in _INPUTS.items():
-        value = getattr(gen, field)
+    for name, (attr, datatype, dtype) in _INPUTS.items():
+        value = getattr(gen, attr)
         if value is not None:
             tensors.append(_tensor(name, np.array([[value]], dtype=dtype), datatype))
     if gen.stop:

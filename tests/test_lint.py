@@ -1,0 +1,33 @@
+"""The lint rules of pyproject.toml ([tool.ruff]): the project passes them, and a file that breaks them fails
+(so a configuration that checks nothing would show)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUFF = Path(sys.executable).with_name("ruff")
+
+
+def ruff(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    if not RUFF.exists():
+        pytest.skip(f"ruff is not installed beside {sys.executable} (pip install -e '.[test]')")
+    return subprocess.run([str(RUFF), "check", "--no-cache", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_project_passes_the_lint_rules():
+    r = ruff(".")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_undefined_name_and_an_unused_import_fail(tmp_path):
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "bad.py").write_text("import os\n\n\ndef f():\n    return undefined_name\n")
+    r = ruff(".", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "F401" in r.stdout and "F821" in r.stdout, r.stdout
