@@ -67,7 +67,7 @@ replay: setup
 replay-quick: setup
 	$(PY) -m tools.replay.compare --quick
 
-# Triton plus the OpenAI-compatible gateway on :9000 (python -m trtllm_backend.openai; README "OpenAI-compatible API").
+# Triton plus the OpenAI-compatible gateway on :9000 (python -m trtllm_backend.openai; docs/serving.md).
 .PHONY: openai
 openai: setup
 	$(PY) -m trtllm_backend.serve --openai-port 9000

@@ -1,4 +1,4 @@
-"""The README's Security section, kept true: no pickle-based loading anywhere in the source, and a fragment whose
+"""docs/security.md, kept true: no pickle-based loading anywhere in the source, and a fragment whose
 bytes do not match its manifest's sha256 is refused before use."""
 import re
 import shutil

@@ -1,5 +1,6 @@
 """trtllm_backend.triton.interface: both TensorRT-LLM name sets in one table, config.pbtxt declaring exactly that
-table, every LLM-API backend input served or refused by name, the outputs a request asks for, the README tables."""
+table, every LLM-API backend input served or refused by name, the outputs a request asks for, the tables in
+docs/configuration.md."""
 from __future__ import annotations
 
 import math
@@ -132,6 +133,6 @@ def test_outputs_are_those_asked_for_with_consistent_shapes():
         assert full[o.name].shape[0] == 1 and full[o.name].ndim == 1 + len(o.dims.split(","))
 
 
-def test_readme_tables_are_generated_from_the_table():
-    assert interface.markdown_tables() in (ROOT / "README.md").read_text(), \
+def test_docs_tables_are_generated_from_the_table():
+    assert interface.markdown_tables() in (ROOT / "docs" / "configuration.md").read_text(), \
         "regenerate: python -m trtllm_backend.triton.interface"

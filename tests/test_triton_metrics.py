@@ -2,6 +2,9 @@
 tests/test_triton_model_unit.py, since Triton's MetricFamily exists only inside the stub)."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from test_triton_model_unit import FakeMetricFamily, fake_pb_utils
@@ -74,3 +77,40 @@ def test_each_priority_class_has_its_queue_and_latencies(metrics):
     assert ttft.get(priority="5").observations == [1.0]
     queue = FakeMetricFamily.created["morphserve_priority_request_queue_time_seconds"]
     assert queue.get(priority="5").observations == [0.5]
+
+
+# --- the docs ----------------------------------------------------------------------------------------------------
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+
+
+def documented_metrics(text: str) -> dict[str, tuple[str, dict[str, set[str]]]]:
+    """The metrics table of docs/configuration.md: name -> (type, {label: values, empty when not listed})."""
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for m in re.finditer(r"^\| `(morphserve_\w+)` \| (\w+) \|([^|]*)\|", section, re.M):
+        labels = {}
+        for lm in re.finditer(r"`(\w+)`(?:=([\w /]+))?", m.group(3)):
+            labels[lm.group(1)] = {v.strip() for v in lm.group(2).split("/")} if lm.group(2) else set()
+        rows[m.group(1)] = (m.group(2), labels)
+    return rows
+
+
+def test_docs_metrics_table_matches_the_families(metrics):
+    documented = documented_metrics(DOCS.read_text())
+    assert set(documented) == set(metrics.families), "docs/configuration.md's metrics table and metrics.py differ"
+    for name, family in FakeMetricFamily.created.items():
+        kind, labels = documented[name]
+        assert kind == family.kind, f"{name}: documented as {kind}, registered as {family.kind}"
+        for metric in family.metrics:  # labels beyond model / version, as documented
+            extra = {k: v for k, v in metric.labels.items() if k not in ("model", "version")}
+            assert set(extra) == set(labels), f"{name}: labels {sorted(extra)}, documented {sorted(labels)}"
+            for key, value in extra.items():
+                assert not labels[key] or value in labels[key], f"{name}: {key}={value} is not documented"
+
+
+def test_docs_metrics_check_sees_a_difference():
+    table = "\n## Metrics\n\n| Metric | Type | Labels | Meaning |\n|---|---|---|---|\n" \
+            "| `morphserve_requests` | gauge | `state`=active / waiting | x |\n| `morphserve_int4_layers` | counter | | y |\n"
+    assert documented_metrics(table) == {"morphserve_requests": ("gauge", {"state": {"active", "waiting"}}),
+                                         "morphserve_int4_layers": ("counter", {})}
+

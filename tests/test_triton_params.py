@@ -1,4 +1,4 @@
-"""trtllm_backend.triton.params: the parameter table, parsing, validation messages, the README table."""
+"""trtllm_backend.triton.params: the parameter table, parsing, validation messages, the table in docs/configuration.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -116,7 +116,7 @@ def test_engine_config_errors_name_the_parameter():
 
 # --- the docs ----------------------------------------------------------------------------------------------------
 def test_docs_table_is_generated_from_the_table():
-    doc = (ROOT / "README.md").read_text()
+    doc = (ROOT / "docs" / "configuration.md").read_text()
     assert triton_params.markdown_table() in doc, "regenerate: python -m trtllm_backend.triton.params"
 
 

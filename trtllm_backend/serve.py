@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                    help="override a config.pbtxt parameter for this run (repeatable); see the README")
+                    help="override a config.pbtxt parameter for this run (repeatable); see docs/configuration.md")
     ap.add_argument("--backend-dir", default="build/backends")
     ap.add_argument("--no-build-fragments", action="store_true")
     ap.add_argument("--ready-timeout", type=float, default=300.0)

@@ -3,7 +3,7 @@ pool size, with the pooled reading (tools/capacity/pooled.py) wherever several r
 against full in a cell.
 
 Each run folder (`python -m tools.capacity --out F`) keeps its own F/capacity.json; this gathers them into
-`results/replay/capacity.json`, so a reader (or a plot, or the README) finds each cell's figures with the run,
+`results/replay/capacity.json`, so a reader (or a plot, or docs/capacity.md) finds each cell's figures with the run,
 commits and seeds they came from, without knowing the folders. Runs are listed in the order given: give the
 newest last, and its figures are the cell's `latest`.
 

@@ -1,6 +1,6 @@
 """The Triton side of MorphServe: what sits between the engine and a tritonserver.
 
-    params        the config.pbtxt parameter table (parsed at model load, checked by the launcher, README table)
+    params        the config.pbtxt parameter table (parsed at model load, checked by the launcher, docs table)
     metrics       the Prometheus families the model publishes through pb_utils
     config_pbtxt  reading and editing a model's config.pbtxt parameters; the edited repository copy
     discovery     finding tritonserver and its Python backend; the environment the server runs in

@@ -7,7 +7,8 @@ LLM-API Python backend (`triton_backend/all_models/llmapi/`) that remains. Each 
 either set (or both); one decoder reads them all, so there is no second code path. Every input the LLM-API
 backend defines is served or refused by name (LoRA, images, named logits processors are refused).
 
-Used by model.py, by tests, and to generate the README tables (`python -m trtllm_backend.triton.interface`).
+Used by model.py, by tests, and to generate the tables of docs/configuration.md
+(`python -m trtllm_backend.triton.interface`).
 """
 from __future__ import annotations
 
@@ -365,7 +366,7 @@ def response_outputs(piece: Piece, returns: Returns, total_output_tokens: int | 
     return out
 
 
-# --- the README tables -----------------------------------------------------------------------------------------
+# --- the docs tables -------------------------------------------------------------------------------------------
 _TYPES = {S: "BYTES", I32: "INT32", U64: "UINT64", F32: "FP32", B: "BOOL", "TYPE_INT64": "INT64"}
 
 

@@ -1,9 +1,9 @@
 """The one table of model parameters (config.pbtxt `parameters`, all strings).
 
 Used by model.py (parse at load), by the launcher (validate `--param NAME=VALUE` before the server starts)
-and to generate the README table (`python -m trtllm_backend.triton.params`). To add a setting, add a row:
-its target says where the parsed value goes (an EngineConfig field, a default SamplingParams field, or a
-ModelSettings field read by the Triton glue itself).
+and to generate the table of docs/configuration.md (`python -m trtllm_backend.triton.params`). To add a
+setting, add a row: its target says where the parsed value goes (an EngineConfig field, a default
+SamplingParams field, or a ModelSettings field read by the Triton glue itself).
 """
 from __future__ import annotations
 
