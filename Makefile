@@ -15,8 +15,12 @@ serve: setup
 generate: setup
 	$(PY) -m trtllm_backend.generate "The capital of France is"
 
-test: setup
+test: setup .venv-aiperf/bin/aiperf
 	$(PY) -m pytest -q tests
+
+# NVIDIA AIPerf for tests/test_aiperf_gateway.py, in a virtualenv of its own (its pins are not ours).
+.venv-aiperf/bin/aiperf:
+	rm -rf .venv-aiperf && python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf==0.13.0
 
 # The model-free tier, about a minute of CPU time: no set-up step, so it runs on a clean checkout in any
 # Python with the test packages (the venv's when there is one; `pip install -e ".[test]"` otherwise). The markers:

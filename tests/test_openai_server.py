@@ -91,8 +91,23 @@ def test_chat_sync_and_stream_with_exact_usage(client, offline_engine):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == done.choices[0].finish_reason
-    assert chunks[-1].usage.model_dump() == done.usage.model_dump()
+    streamed, once = chunks[-1].usage, done.usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == \
+        (once.prompt_tokens, once.completion_tokens, once.total_tokens)
+    # the second asking of the same prompt finds at least what the first left in the prefix cache
+    assert streamed.prompt_tokens_details.cached_tokens >= once.prompt_tokens_details.cached_tokens
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client):
+    messages = chat("Tell me, in a few words, why the sky over the sea looks blue on a clear summer afternoon, "
+                    "and why sunsets over the same sea look red and orange instead. " * 2)
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens > 64
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens  # whole blocks reused; the last token is always prefilled
+    assert first.usage.prompt_tokens_details.cached_tokens <= cached
 
 
 def test_a_natural_end_is_stop_and_a_stop_string_is_cut(client):

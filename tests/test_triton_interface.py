@@ -118,7 +118,8 @@ def test_outputs_are_those_asked_for_with_consistent_shapes():
                   timings=RequestTimings(arrival=1.0, scheduled=1.5, first_token=2.0, last_token=3.0),
                   kv_reuse=KVReuse(0, 1, 1, 1))
     plain = response_outputs(piece, Returns())
-    assert set(plain) == {"text_output", "output_token_count", "int4_layers", "prompt_token_count", "finish_reason"}
+    assert set(plain) == {"text_output", "output_token_count", "int4_layers", "prompt_token_count", "prompt_cached_token_count",
+                          "finish_reason"}
     full = response_outputs(piece, Returns(log_probs=True, top_logprobs=2, prompt_log_probs=True, stop_reason=True,
                                            cumulative_logprob=True, perf_metrics=True))
     assert set(full) == {o.name for o in interface.OUTPUTS}

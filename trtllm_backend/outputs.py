@@ -23,6 +23,7 @@ class KVReuse:
     missed_blocks: int = 0  # prompt blocks computed
     new_blocks: int = 0  # blocks allocated for this request
     total_blocks: int = 0  # blocks it holds (reused + new)
+    reused_tokens: int = 0  # prompt tokens not prefilled thanks to the reused blocks
 
     @property
     def hit_rate(self) -> float:

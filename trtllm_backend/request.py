@@ -90,7 +90,8 @@ class Request:
         """How much of the prompt's KV came from the cache at the request's first admission (prefix_cache.py)."""
         blocks = len(self.block_table)
         return KVReuse(reused_blocks=self.reused_blocks, missed_blocks=self.missed_blocks,
-                       new_blocks=max(0, blocks - self.reused_blocks), total_blocks=blocks)
+                       new_blocks=max(0, blocks - self.reused_blocks), total_blocks=blocks,
+                       reused_tokens=self.reused_tokens)
 
 
 def streams_tpot(requests: list[Request]) -> float:

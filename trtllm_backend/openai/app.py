@@ -55,6 +55,7 @@ class _Call:
     created: int
     arrival: float
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
     texts: TokenTexts | None = None  # set when the request asked for logprobs
@@ -65,6 +66,7 @@ class _Call:
     def add(self, piece: Piece) -> None:
         self.completion_tokens += piece.tokens
         self.prompt_tokens = piece.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = piece.cached_tokens or self.cached_tokens
         if piece.final:
             self.finish_reason = piece.finish_reason
         if self.texts is not None:
@@ -86,7 +88,8 @@ class _Call:
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def chunk(self, text: str | None, finish_reason: str | None, first: bool = False, usage: bool = False,
               piece: Piece | None = None) -> dict:

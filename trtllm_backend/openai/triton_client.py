@@ -51,6 +51,7 @@ class Piece:
     final: bool = False
     finish_reason: str | None = None  # on the final piece: "stop" or "length"
     prompt_tokens: int = 0  # the engine's count (on every piece)
+    cached_tokens: int = 0  # of those, the ones the prefix cache held (on every piece)
     # With Generation.logprobs: this piece's tokens, their logprobs and alternatives.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -171,12 +172,13 @@ def _piece(result) -> Piece:
     if text is None:  # the empty final response
         return Piece("", 0, final=True)
     reason = result.as_numpy("finish_reason")
-    prompt = result.as_numpy("prompt_token_count")
+    prompt, cached = result.as_numpy("prompt_token_count"), result.as_numpy("prompt_cached_token_count")
     piece = Piece(text=text.reshape(-1)[0].decode("utf-8"),
                   tokens=int(result.as_numpy("output_token_count").reshape(-1)[0]),
                   final=final,
                   finish_reason=(reason.reshape(-1)[0].decode() or None) if reason is not None else None,
-                  prompt_tokens=int(prompt.reshape(-1)[0]) if prompt is not None else 0)
+                  prompt_tokens=int(prompt.reshape(-1)[0]) if prompt is not None else 0,
+                  cached_tokens=int(cached.reshape(-1)[0]) if cached is not None else 0)
     if (ids := result.as_numpy("output_ids")) is not None:
         piece.token_ids = ids.reshape(-1).tolist()
         piece.logprobs = result.as_numpy("output_log_probs").reshape(-1).tolist()

@@ -244,6 +244,7 @@ OUTPUTS = (
     OutputSpec("output_token_count", I32, "1", "Tokens in this response."),
     OutputSpec("int4_layers", I32, "-1", "For each of those tokens, how many decoder layers ran quantized (INT4) when it was made."),
     OutputSpec("prompt_token_count", I32, "1", "The prompt's tokens as the engine counted them."),
+    OutputSpec("prompt_cached_token_count", I32, "1", "Of those, the tokens whose KV came from the prefix cache (not prefilled)."),
     OutputSpec("finish_reason", S, "1", "`stop` (end of sequence or a stop word) or `length` on the final response; empty before it."),
     OutputSpec("output_ids", I32, "-1", "With log probs: this response's token ids."),
     OutputSpec("output_log_probs", F32, "-1", "With log probs: each token's logprob."),
@@ -331,6 +332,7 @@ def response_outputs(piece: Piece, returns: Returns, total_output_tokens: int | 
         "output_token_count": _scalar(total_output_tokens if total_output_tokens is not None else len(piece.token_ids), np.int32),
         "int4_layers": _row(piece.int4_layers, np.int32),
         "prompt_token_count": _scalar(piece.num_prompt_tokens, np.int32),
+        "prompt_cached_token_count": _scalar(piece.kv_reuse.reused_tokens if piece.kv_reuse else 0, np.int32),
         "finish_reason": _scalar((piece.finish_reason or "").encode(), np.object_),
     }
     if returns.log_probs:
