@@ -30,8 +30,8 @@ test-fast:
 	$(if $(wildcard $(PY)),$(PY),python3) -m pytest -q -m "not needs_model and not server and not soak" tests
 
 bench: setup
-	$(PY) -m tools.bench_engine --json results/bench_engine.json
-	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/bench_engine_fp16.json
+	$(PY) -m tools.bench_engine --json results/engine/bench_engine.json
+	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/engine/bench_engine_fp16.json
 
 # This server (full precision and all-INT4) beside llama.cpp's llama-server on the same GGUF, at concurrency
 # 1/4/8/16 (results/peers/; builds llama-server into build/peers/ once).

@@ -4,7 +4,7 @@
     python deploy/sizing.py --json               # the same numbers as JSON
 
 Measured here (inputs): the per-layer fragment sizes of the served model (its manifest.json: full-precision and
-INT4 bytes, and the model's shape), the engine's swap prepare/apply times (results/bench_engine.json) and the
+INT4 bytes, and the model's shape), the engine's swap prepare/apply times (results/engine/bench_engine.json) and the
 Azure LLM traces' arrivals and token counts. Computed (outputs): the same quantities for a 7-8B model's
 shapes on a GPU, and how long the KV headroom a morph frees holds a burst's excess before requests queue.
 Nothing here ran on a GPU: every GPU-side number is arithmetic on the measured ratios plus the assumptions
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "model_repository" / "smollm2" / "1" / "fragments" / "manifest.json"
-BENCH = ROOT / "results" / "bench_engine.json"
+BENCH = ROOT / "results" / "engine" / "bench_engine.json"
 TRACES = ROOT.parent / "shared" / "data" / "traces"
 
 GB = 1e9

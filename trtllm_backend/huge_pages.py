@@ -3,7 +3,7 @@
 Why: a decode step streams every resident weight once. On 4 KiB pages that is a TLB miss per 4 KiB, and in a
 virtual machine each miss walks the guest's and the host's page tables; the hardware prefetchers also restart
 at every 4 KiB boundary. Measured on the 2-core VM against a twin engine on 4 KiB pages, the two taking turns
-(`tools.bench_engine --huge-pages-ab`, results/bench_engine_huge_pages_ab.txt): all-INT4 steps 1.12x faster at
+(`tools.bench_engine --huge-pages-ab`, results/engine/bench_engine_huge_pages_ab.txt): all-INT4 steps 1.12x faster at
 batch 1, 1.06-1.09x at 8-32, 1.16x at 512 cached tokens; full precision 1.03-1.11x.
 
 How: `empty` maps fresh anonymous memory itself (from malloc a large buffer may reuse heap pages that are

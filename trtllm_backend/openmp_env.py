@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "200000"}
+from . import env_vars
+
+OPENMP_ENV = {v.name: v.default for v in (env_vars.OMP_WAIT_POLICY, env_vars.GOMP_SPINCOUNT)}
 
 
 def with_openmp_defaults(env: MutableMapping[str, str]) -> MutableMapping[str, str]:

@@ -17,12 +17,12 @@ Triton listens on 127.0.0.1 only, unless --address says otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from . import env_vars
 from .triton import admin
 from .triton.params import ParamError, parse_assignment
 # Re-exported: `from trtllm_backend import serve; serve.launch(...)` is the documented Python entry point.
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
     ap.add_argument("--openai-port", type=int, default=None,
                     help="also start the OpenAI-compatible gateway (python -m trtllm_backend.openai) on this port")
-    ap.add_argument("--address", default=os.environ.get("MORPHSERVE_TRITON_ADDRESS") or None,
+    ap.add_argument("--address", default=env_vars.TRITON_ADDRESS.value() or None,
                     help="Triton's HTTP and gRPC bind address (metrics follow HTTP) (default: "
                          "$MORPHSERVE_TRITON_ADDRESS, else 127.0.0.1 when --openai-port fronts it with a key "
                          "($OPENAI_GATEWAY_API_KEY), else every interface)")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # the server drains on SIGTERM; Ctrl-C means the same
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     address = args.address
-    if address is None and args.openai_port and os.environ.get("OPENAI_GATEWAY_API_KEY"):
+    if address is None and args.openai_port and env_vars.OPENAI_GATEWAY_API_KEY.value():
         address = "127.0.0.1"  # the keyed gateway is the way in: Triton itself only for this machine
     key_file = None
     try:

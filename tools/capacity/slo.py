@@ -4,7 +4,7 @@ NOTE: fixed in seconds and kept across commits (docs/benchmarks.md); a faster ke
 TTFT 2 s as in the MorphServe paper: on this 2-core CPU an unloaded 30-100 token prompt takes 0.3-1 s to its
 first token (docs/replay.md), so 2 s leaves room for a short queue and none for a burst's backlog.
 TPOT 0.35 s: about 2x the engine's decode step at the largest batch the server runs (32 requests: 0.173 s in
-results/bench_engine.json, fp32, quiet machine), so a full batch with its share of prefill chunks meets it and a
+results/engine/bench_engine.json, fp32, quiet machine), so a full batch with its share of prefill chunks meets it and a
 server that spends most steps prefilling, or runs on a loaded machine past its compute, does not.
 """
 from __future__ import annotations

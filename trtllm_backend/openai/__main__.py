@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import uvicorn
 
+from .. import env_vars
 from .app import GatewayConfig, create_app
 from .template import TemplateError
 
@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--fragments", type=Path, default=ROOT / "model_repository" / "smollm2" / "1" / "fragments",
                    help="fragment folder whose manifest carries the chat template (default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_GATEWAY_API_KEY"),
+    p.add_argument("--api-key", default=env_vars.OPENAI_GATEWAY_API_KEY.value() or None,
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $OPENAI_GATEWAY_API_KEY, else none)")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)

@@ -11,6 +11,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import env_vars
+
 
 @dataclass
 class GatewayProcess:
@@ -40,7 +42,7 @@ def start_gateway(triton_grpc: str, port: int, log_path: Path | None = None, api
            "--port", str(port), *extra_args]
     env = dict(os.environ)
     if api_key:
-        env["OPENAI_GATEWAY_API_KEY"] = api_key  # not on the command line, where ps would show it
+        env[env_vars.OPENAI_GATEWAY_API_KEY.name] = api_key  # not on the command line, where ps would show it
     out = open(log_path, "ab") if log_path else None  # None: the caller's stdout (the launcher's terminal)
     try:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -21,11 +21,13 @@ import stat
 import tempfile
 from pathlib import Path
 
+from .. import env_vars
+
 ADMIN_HEADER = "morphserve-admin-key"  # lower case: gRPC metadata keys must be
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER  # what Triton's gRPC frontend looks for
-ADMIN_KEY_ENV = "MORPHSERVE_ADMIN_KEY"
-OPEN_ADMIN_ENV = "MORPHSERVE_OPEN_ADMIN"
-KEY_FILE_ENV = "MORPHSERVE_ADMIN_KEY_FILE"
+ADMIN_KEY_ENV = env_vars.ADMIN_KEY.name
+OPEN_ADMIN_ENV = env_vars.OPEN_ADMIN.name
+KEY_FILE_ENV = env_vars.ADMIN_KEY_FILE.name
 # Triton 2.51's categories (`tritonserver --help`): health, metadata, inference, shared-memory, model-config,
 # model-repository, statistics, trace, logging. The first three and model-config/statistics reads stay open.
 RESTRICTED = ("shared-memory", "model-repository", "logging", "trace")

@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CONTROL_DIR_ENV = "MORPHSERVE_CONTROL_DIR"  # set by the launcher for tritonserver; the stubs inherit it
+from .. import env_vars
+
+CONTROL_DIR_ENV = env_vars.CONTROL_DIR.name  # set by the launcher for tritonserver; the stubs inherit it
 DRAIN = "drain"
 
 
