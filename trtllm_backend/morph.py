@@ -29,9 +29,10 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .controller import Action, Controller, MorphPolicy, Signals
 from .errors import FragmentError
@@ -40,7 +41,7 @@ from .head import HeadSlot
 from .kv_cache import KVPool, KVSegment
 from .layers import LayerSlot, LayerWeights
 from .manifest import HEAD_UNIT, Manifest
-from .memory import MemoryAccount
+from .memory import MemoryAccount, blocks_freed, resolve_budget
 from .outputs import EngineStats
 from .precision import HEAD_DYNAMIC, HEAD_FULL, HEAD_INT8, Precision
 
@@ -106,6 +107,10 @@ class MorphManager:
     base_kv_blocks: int = 0  # the KV pool the default budget holds beside the full-precision model
     budget_bytes: int | None = None  # default: the full-precision model + base_kv_blocks
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (controller.parse_forced)
+    # Where fragments are read and prepared (default: one background thread of its own), and the clock that times
+    # each swap: both given in by tests that run the manager without a model (tests/test_morph_manager_fakes.py).
+    executor: Executor | None = None
+    clock: Callable[[], float] = time.monotonic
     swapped: list[_Swapped] = field(default_factory=list)  # a stack: restores pop from the end
     failed: set[Unit] = field(default_factory=set)
     # Swapped down, and their full fragment failed to load at restore: they stay so until a restart (outside
@@ -141,11 +146,14 @@ class MorphManager:
         if self.head_unit:
             self.full_bytes[HEAD_UNIT] = self.head.table.nbytes
         # KV blocks one swapped layer buys (what the controller sizes a swap with; the head buys more).
-        self.blocks_per_layer = max(0, (self.full_bytes[0] - (int4_bytes[0] if int4_bytes else 0)) // self.pool.bytes_per_block)
+        self.blocks_per_layer = blocks_freed(self.full_bytes[0], int4_bytes[0] if int4_bytes else 0, self.pool.bytes_per_block)
         self.account = MemoryAccount(budget=0, reserve=self.reserve, shared=self.shared_nbytes)
         self._refresh()
-        self.account.budget = self._budget(self.account.used)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
+        self.account.budget = resolve_budget(self.account.used, reserve=self.reserve, bytes_per_block=self.pool.bytes_per_block,
+                                             base_kv_blocks=self.base_kv_blocks, given=self.budget_bytes,
+                                             policy_name=self.policy.name)
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
         # full / quantized decode time of each kind of unit by batch (the slowness pressures' evidence), measured here
         self.speedup: dict[str, dict[int, float]] = {}
@@ -156,7 +164,7 @@ class MorphManager:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
             log.warning("no INT4 fragments in %s: morphing is off, serving at full precision", m.dir)
         self._bind_at_load()
-        if self._grow_kv(resize=False) is None:  # never expected: _budget checked the room for a block
+        if self._grow_kv(resize=False) is None:  # never expected: resolve_budget checked the room for a block
             raise AssertionError(f"no KV block fits the budget ({self.account})")
 
     # ---- state the engine reads (engine thread) --------------------------------------------------------
@@ -249,19 +257,6 @@ class MorphManager:
                  {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()})
 
     # ---- accounting -----------------------------------------------------------------------------
-    def _budget(self, full_model: int) -> int:
-        """The budget, given or by default the full-precision model (`full_model` bytes, all bound now) plus the
-        base KV pool; refused when it cannot hold that model, the staging reserve and one KV block."""
-        least = full_model + self.reserve + self.pool.bytes_per_block
-        budget = self.budget_bytes or full_model + self.base_kv_blocks * self.pool.bytes_per_block
-        if budget < least:
-            what = (f"memory_budget_bytes: {budget}" if self.budget_bytes else
-                    f"max_tokens_in_paged_kv_cache: {self.base_kv_blocks} blocks ({budget} bytes with the model)")
-            reserve = f" plus the {self.reserve}-byte staging reserve of policy {self.policy.name}" if self.reserve else ""
-            raise ValueError(f"{what} is below the full-precision model ({full_model} bytes){reserve} plus one KV block "
-                             f"({self.pool.bytes_per_block} bytes): {least} bytes at least")
-        return budget
-
     def _bind_at_load(self) -> None:
         """Bind the configured INT8 head and a static policy's INT4 layers before any KV exists. NOTE: each
         quantized form is read while its full form is still bound: the load peaks one fragment above the budget,
@@ -275,13 +270,10 @@ class MorphManager:
         self._refresh()
 
     def _refresh(self) -> None:
-        a = self.account
-        a.shared = self._fixed_shared + (self.head.table.nbytes if self.head is not None and self.head.swappable else 0)
-        a.layers = sum(s.weights.nbytes for s in self.slots)
-        a.kv = self.pool.nbytes
-        a.staged = self.job.staged_bytes if self.job else 0
-        if a.budget and a.used > a.budget:  # never expected: every allocation is checked first
-            raise AssertionError(f"memory account {a.used} exceeds the budget {a.budget}")
+        """Count what is resident now into the account (memory.MemoryAccount.update checks it against the budget)."""
+        head = self.head.table.nbytes if self.head is not None and self.head.swappable else 0
+        self.account.update(shared=self._fixed_shared + head, layers=sum(s.weights.nbytes for s in self.slots),
+                            kv=self.pool.nbytes, staged=self.job.staged_bytes if self.job else 0)
 
     def _grow_kv(self, resize: bool = True) -> KVSegment | None:
         """What the budget leaves, as a new KV segment; counted as a resize unless it is the pool made at load."""
@@ -370,7 +362,7 @@ class MorphManager:
 
     def _submit(self, kind: str, unit: Unit, staged: int) -> None:
         fut = self.executor.submit(self._load, unit, kind == "down")
-        self.job = _Job(kind, unit, fut, staged, time.monotonic())
+        self.job = _Job(kind, unit, fut, staged, self.clock())
         self._refresh()
 
     def _bind(self, unit: Unit, weights, down: bool) -> str:
@@ -385,7 +377,7 @@ class MorphManager:
 
     def _finish_job(self) -> None:
         job, self.job = self.job, None
-        prepare = time.monotonic() - job.started
+        prepare = self.clock() - job.started
         try:
             weights = job.future.result()
         except Exception as err:  # anything the staging thread raised (a bad file, a failed allocation, a bug)
@@ -398,7 +390,7 @@ class MorphManager:
             else:
                 self._restore_failed(err)
             return
-        t0 = time.monotonic()
+        t0 = self.clock()
         if job.kind == "down":
             precision = self._bind(job.unit, weights, down=True)
             del weights  # the full fragment's memory goes back now (the slot held the only other reference)
@@ -415,7 +407,7 @@ class MorphManager:
             self.pending_up = max(0, self.pending_up - 1)  # 0 already where the rest of the restore gave way
             self._refresh()
             self._grow_kv()  # the INT4 fragment's bytes are free again: keep the reserve, use the rest
-        apply = time.monotonic() - t0
+        apply = self.clock() - t0
         self.swap_log.record(prepare, apply)
         log.info("morph: %s -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers, lm_head %s)",
                  _name(job.unit), precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers,
