@@ -268,11 +268,7 @@ class LLMEngine:
         # important work waits, or is preempted, rather than costing the others their precision.
         cutoff = self.config.morph_priority_cutoff
         waiting = s.waiting_within(cutoff)
-        head = s.waiting[0] if waiting else None
-        short = 0
-        if head is not None:
-            need = -(-(head.num_tokens - head.num_computed) // p.block_size)
-            short = max(0, need - p.num_allocatable)  # cached blocks nobody holds count as free
+        head = s.head_within(cutoff)
         driving = s.preemptions_within(cutoff)
         preemptions, self._seen_preemptions = driving - self._seen_preemptions, driving
         signals = Signals(
@@ -282,7 +278,7 @@ class LLMEngine:
             kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
             admission_blocked=self._admission_blocked,
             new_preemptions=preemptions,
-            head_blocks_short=short,
+            head_blocks_short=s.head_blocks_short(cutoff),
             blocks_per_layer=m.blocks_per_layer,
             int4_layers=m.morphed_units,
             usage_after_shrink=m.usage_after_shrink(),
