@@ -2,8 +2,9 @@
 
 The morph manager is built from what it acts on (the layer slots, the KV pool, the fragment store and
 manifest, the engine's counters) and owns its memory account. The engine calls `on_iteration` once per
-iteration, between two iterations on the engine thread, with that iteration's `Signals` and the block tables
-of the running requests; every state change happens inside that call. Reading and preparing a fragment
+iteration, between two iterations on the engine thread, with that iteration's `Load` and the block tables
+of the running requests; the manager adds its own state to make the controller's `Signals`, and every state
+change happens inside that call. Reading and preparing a fragment
 happens on a background thread while the engine keeps stepping; only the rebinding (and the KV segment
 change it pays for) happens on the engine thread.
 
@@ -34,7 +35,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .controller import Action, Controller, MorphPolicy, Signals
+from .controller import Action, Controller, Load, MorphPolicy, Signals
 from .errors import FragmentError
 from .fragments import FragmentStore
 from .head import HeadSlot
@@ -286,9 +287,17 @@ class MorphManager:
         return seg
 
     # ---- the per-iteration call (engine thread) -------------------------------------------------
-    def on_iteration(self, signals: Signals, iteration: int, block_tables: list[list[int]]) -> None:
-        """Advance morphing by one iteration. `signals` were taken before this call and `block_tables` are the
+    def signals(self, load: Load) -> Signals:
+        """The controller's signals: the engine's `load` and this manager's state now (units swapped, the blocks a
+        swap buys, KV usage after a shrink, whether the next swap is faster at the load's batch)."""
+        return Signals.of(load, blocks_per_layer=self.blocks_per_layer, int4_layers=self.morphed_units,
+                          usage_after_shrink=self.usage_after_shrink(),
+                          swap_speeds_up=self.swap_speeds_up(load.batch) if self.policy.slowness_counts else False)
+
+    def on_iteration(self, load: Load, iteration: int, block_tables: list[list[int]]) -> None:
+        """Advance morphing by one iteration. `load` was taken before this call and `block_tables` are the
         running requests' tables (rewritten in place when their blocks move out of a draining segment)."""
+        signals = self.signals(load)  # before anything below changes the state they describe
         self._unseen_preemptions += signals.new_preemptions  # kept for the next decision if none is made now
         changed = False
         if self.job and self.job.future.done():
@@ -467,7 +476,7 @@ class MorphManager:
             seg, self.draining = self.draining, None
             seg.draining = False  # it takes new blocks again; what already moved out stays where it went
         self.pending_up = staging_up
-        self.controller.last_pressure = signals.now  # the next restore waits for a new quiet spell
+        self.controller.restore_called_off(signals.now)
         self.counters.restores_called_off += 1
         log.info("morph: restore called off with %d unit(s) not restored (%d swapped) - %s", left,
                  self.morphed_units - staging_up, "; ".join(why))
