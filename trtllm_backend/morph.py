@@ -9,8 +9,9 @@ happens on a background thread while the engine keeps stepping; only the rebindi
 change it pays for) happens on the engine thread.
 
 The units swapped are the decoder layers (to INT4) and, with lm_head_precision=dynamic, the tied embedding / LM
-head table (to INT8), in one order (Manifest.unit_order): the controller's counts are units. Otherwise the head
-is bound at load to the precision it is configured with, like a static policy's INT4 layers.
+head table (to INT8), in one order (Manifest.unit_order) and behind one protocol (units.SwapUnit): the controller's
+counts are units. Otherwise the head is bound at load to the precision it is configured with, like a static
+policy's INT4 layers.
 
 Memory: one budget bounds everything resident, whichever policy runs. The manager binds the policy's weights at
 load, then allocates the KV pool from what the budget leaves: all of it for a static policy, all but a staging
@@ -40,11 +41,12 @@ from .errors import FragmentError
 from .fragments import FragmentStore
 from .head import HeadSlot
 from .kv_cache import KVPool, KVSegment
-from .layers import LayerSlot, LayerWeights
+from .layers import LayerSlot
 from .manifest import HEAD_UNIT, Manifest
 from .memory import MemoryAccount, blocks_freed, resolve_budget
 from .outputs import EngineStats
 from .precision import HEAD_DYNAMIC, HEAD_FULL, HEAD_INT8, Precision
+from .units import HeadUnit, LayerUnit, SwapUnit
 
 log = logging.getLogger("morphserve.morph")
 
@@ -56,7 +58,7 @@ CALIBRATION_FLUSH_BYTES = 64 << 20
 SPEEDUP_MARGIN = 1.05  # below it the difference is within run-to-run noise here
 
 
-Unit = int | str  # a layer index, or HEAD_UNIT
+Unit = int | str  # a unit's key: a layer index, or HEAD_UNIT (units.SwapUnit)
 
 
 @dataclass(slots=True)
@@ -128,31 +130,30 @@ class MorphManager:
         self.controller = Controller(self.policy, forced=dict(self.forced))
         self.swap_log = SwapLog()
         self.quantizable = all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers))
-        int4_bytes = [m.fragment(i, Precision.INT4)["bytes"] for i in range(m.num_layers)] if self.quantizable else []
         rebindable_head = self.head is not None and self.head.swappable  # tied (head.head_mode checked the set)
         self.head_unit = self.quantizable and self.head_mode == HEAD_DYNAMIC
         self.order: list[Unit] = m.unit_order() if self.head_unit else m.swap_order()
-        # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
-        self.down_bytes: dict[Unit, int] = dict(enumerate(int4_bytes))
+        self.units: dict[Unit, SwapUnit] = {slot.index: LayerUnit(slot, self.store, m) for slot in self.slots}
         if self.head_unit:
-            self.down_bytes[HEAD_UNIT] = m.head_fragment(Precision.INT8)["bytes"]
+            self.units[HEAD_UNIT] = HeadUnit(self.head, self.store, m)
+        # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
+        self.down_bytes: dict[Unit, int] = ({k: u.down_bytes() for k, u in self.units.items()}
+                                            if self.quantizable else {})
         # NOTE: only a policy that swaps while serving (or forced actions: benchmarks, tests) stages anything; a
         # static one spends the reserve on KV.
         swaps_live = (self.policy.dynamic or bool(self.forced)) and self.quantizable
         self.reserve = max(self.down_bytes.values(), default=0) if swaps_live else 0
         # Resident bytes of each full-precision unit, known exactly before anything is swapped.
-        self.full_bytes: dict[Unit, int] = {slot.index: slot.weights.nbytes for slot in self.slots}
+        self.full_bytes: dict[Unit, int] = {k: u.bound.nbytes for k, u in self.units.items()}
         # the shared bytes that never swap (the norm, an untied head); a tied table's bytes follow its binding
         self._fixed_shared = self.shared_nbytes - (self.head.table.nbytes if rebindable_head else 0)
-        if self.head_unit:
-            self.full_bytes[HEAD_UNIT] = self.head.table.nbytes
         # KV blocks one swapped layer buys (what the controller sizes a swap with; the head buys more).
-        self.blocks_per_layer = blocks_freed(self.full_bytes[0], int4_bytes[0] if int4_bytes else 0, self.pool.bytes_per_block)
+        self.blocks_per_layer = blocks_freed(self.full_bytes[0], self.down_bytes.get(0, 0), self.pool.bytes_per_block)
         self.account = MemoryAccount(budget=0, reserve=self.reserve, shared=self.shared_nbytes)
         self._refresh()
-        self.account.budget = resolve_budget(self.account.used, reserve=self.reserve, bytes_per_block=self.pool.bytes_per_block,
-                                             base_kv_blocks=self.base_kv_blocks, given=self.budget_bytes,
-                                             policy_name=self.policy.name)
+        self.account.budget = resolve_budget(self.account.used, reserve=self.reserve,
+                                             bytes_per_block=self.pool.bytes_per_block, base_kv_blocks=self.base_kv_blocks,
+                                             given=self.budget_bytes, policy_name=self.policy.name)
         if self.executor is None:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
@@ -172,7 +173,7 @@ class MorphManager:
     @property
     def int4_layers(self) -> int:
         """Decoder layers bound to INT4."""
-        return sum(1 for s in self.swapped + self.stuck if s.unit != HEAD_UNIT)
+        return len(self.swapped_layers)
 
     @property
     def morphed_units(self) -> int:
@@ -182,11 +183,11 @@ class MorphManager:
     @property
     def head_int8(self) -> bool:
         """The head should be bound to its INT8 table: configured so, or swapped down as a unit."""
-        return self.head_mode == HEAD_INT8 or any(s.unit == HEAD_UNIT for s in self.swapped + self.stuck)
+        return self.head_mode == HEAD_INT8 or any(self.units[s.unit].kind == HeadUnit.kind for s in self.swapped + self.stuck)
 
     @property
     def swapped_layers(self) -> list[int]:
-        return [s.unit for s in self.swapped + self.stuck if s.unit != HEAD_UNIT]
+        return [s.unit for s in self.swapped + self.stuck if self.units[s.unit].kind == LayerUnit.kind]
 
     def usage_after_shrink(self) -> float:
         """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink); cached blocks nobody
@@ -212,7 +213,7 @@ class MorphManager:
         candidates = self._candidates() if self.speedup else []
         if not candidates:
             return False
-        ratios = self.speedup["lm_head" if candidates[0] == HEAD_UNIT else "layer"]
+        ratios = self.speedup[self.units[candidates[0]].kind]
         at = min((b for b in ratios if b >= batch), default=max(ratios))  # the nearest measured batch at or above
         return ratios[at] >= SPEEDUP_MARGIN
 
@@ -224,22 +225,16 @@ class MorphManager:
         import torch
 
         t0 = time.monotonic()
-        layer = next(u for u in self.order if u != HEAD_UNIT)
-        quant_layer = self.store.load_layer(layer, Precision.INT4)
-        forms = {"layer": (self.slots[layer].weights, quant_layer)}
-        if self.head_unit:
-            forms["lm_head"] = (self.head.table, self.store.load_head(Precision.INT8))
+        firsts: dict[str, SwapUnit] = {}  # the first unit of each kind in the swap order
+        for key in self.order:
+            firsts.setdefault(self.units[key].kind, self.units[key])
+        forms = {kind: (unit, unit.bound, unit.load(down=True))
+                 for kind, unit in sorted(firsts.items(), key=lambda ku: ku[0] != "layer")}  # the layer first
         flush = torch.empty(CALIBRATION_FLUSH_BYTES // 4)
         c = self.manifest.config
 
-        def run(weights, x, xi):
-            if isinstance(weights, LayerWeights):
-                weights.qkv(x), weights.o(x), weights.gate_up(x), weights.down(xi)
-            else:
-                weights.linear(x)
-
         with torch.inference_mode():
-            for kind, (full, quant) in forms.items():
+            for kind, (unit, full, quant) in forms.items():
                 self.speedup[kind] = {}
                 for batch in CALIBRATION_BATCHES:
                     x, xi = torch.randn(batch, c.hidden_size), torch.randn(batch, c.intermediate_size)
@@ -249,11 +244,11 @@ class MorphManager:
                         for _ in range(CALIBRATION_REPS):
                             flush.fill_(1.0)
                             t = time.perf_counter()
-                            run(weights, x, xi)
+                            unit.decode(weights, x, xi)
                             times.append(time.perf_counter() - t)
                         best[name] = min(times)
                     self.speedup[kind][batch] = best["full"] / best["quant"]
-        del quant_layer, forms, flush
+        del forms, flush
         log.info("morph: decode speed full/quantized by batch, measured at load in %.0f ms: %s", (time.monotonic() - t0) * 1e3,
                  {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()})
 
@@ -358,31 +353,23 @@ class MorphManager:
             # NOTE: nothing frees budget on its own (KV grows only into what is left): waiting would retry every
             # iteration and keep the manager busy forever
             log.warning("morph: no room to stage %s (%d bytes, %d of %d budget bytes used); the swap is given up",
-                        _name(unit), staged, self.account.used, self.account.budget)
+                        self.units[unit].name, staged, self.account.used, self.account.budget)
             self.pending_down = 0
             return
         self._submit("down", unit, staged)
 
     def _load(self, unit: Unit, down: bool):
         """A unit's swapped-down or full form, read from its fragment (any thread)."""
-        if unit == HEAD_UNIT:
-            return self.store.load_head(Precision.INT8 if down else Precision.FULL)
-        return self.store.load_layer(unit, Precision.INT4 if down else Precision.FULL)
+        return self.units[unit].load(down)
 
     def _submit(self, kind: str, unit: Unit, staged: int) -> None:
-        fut = self.executor.submit(self._load, unit, kind == "down")
+        fut = self.executor.submit(self.units[unit].load, kind == "down")
         self.job = _Job(kind, unit, fut, staged, self.clock())
         self._refresh()
 
     def _bind(self, unit: Unit, weights, down: bool) -> str:
         """Rebind a unit to its swapped-down or full form; returns the precision bound. The old form is dropped."""
-        if unit == HEAD_UNIT:
-            precision = Precision.INT8 if down else Precision.FULL
-            self.head.bind(weights, precision)
-        else:
-            precision = Precision.INT4 if down else Precision.FULL
-            self.slots[unit].bind(weights, precision)
-        return precision
+        return self.units[unit].bind(weights, down)
 
     def _finish_job(self) -> None:
         job, self.job = self.job, None
@@ -392,7 +379,7 @@ class MorphManager:
         except Exception as err:  # anything the staging thread raised (a bad file, a failed allocation, a bug)
             self.counters.swap_failures += 1
             if job.kind == "down":
-                log.error("morph: cannot load %s for down: %s; it stays where it is", _name(job.unit), err)
+                log.error("morph: cannot load %s for down: %s; it stays where it is", self.units[job.unit].name, err)
                 self.failed.add(job.unit)
                 self.pending_down = max(0, self.pending_down - 1)
                 self._refresh()
@@ -419,7 +406,7 @@ class MorphManager:
         apply = self.clock() - t0
         self.swap_log.record(prepare, apply)
         log.info("morph: %s -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers, lm_head %s)",
-                 _name(job.unit), precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers,
+                 self.units[job.unit].name, precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers,
                  Precision.INT8 if self.head_int8 else Precision.FULL)
 
     # ---- restore -----------------------------------------------------------------------------------
@@ -434,7 +421,7 @@ class MorphManager:
         top.segment = self._grow_kv()
         self.stuck.append(top)
         log.error("morph: cannot restore %s to full precision: %s; it stays swapped down until the fragment is "
-                  "repaired and the server restarted", _name(top.unit), err)
+                  "repaired and the server restarted", self.units[top.unit].name, err)
     def _start_up(self, block_tables: list[list[int]]) -> None:
         if not self.swapped:
             self.pending_up = 0
@@ -509,16 +496,14 @@ class MorphManager:
         extra = next((s for s in reversed(self.pool.segments[1:]) if not s.draining), None)
         if extra is None:
             log.error("morph: no room to stage full %s (%d bytes) with every added KV segment released; "
-                      "the restore is given up", _name(unit), staged)
+                      "the restore is given up", self.units[unit].name, staged)
             self.pending_up = 0
             return
-        log.warning("morph: no room to stage full %s yet; draining the KV segment at block %d too", _name(unit), extra.base)
+        log.warning("morph: no room to stage full %s yet; draining the KV segment at block %d too", self.units[unit].name,
+                    extra.base)
         self.draining = extra
         self._continue_drain(block_tables)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
-
-def _name(unit: Unit) -> str:
-    return "the lm_head table" if unit == HEAD_UNIT else f"layer {unit}"
