@@ -151,11 +151,12 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot
     return policy
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Load:
     """The serving load of one iteration, taken by the engine from its scheduler, KV pool and running streams
-    (only the classes within morph_priority_cutoff count) and handed to the morph manager, which adds its own
-    state to make the controller's `Signals`."""
+    (only the classes within morph_priority_cutoff count) and handed to the morph manager, which reads it (never
+    changes it) and adds its own state to make the controller's `Signals`. Not frozen: built every iteration, and a
+    frozen dataclass costs several times more to build."""
 
     now: float
     waiting: int
