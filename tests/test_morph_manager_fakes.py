@@ -380,3 +380,18 @@ def test_the_budget_holds_through_random_load_and_staging(seed):
         live = [b for t in r.tables for b in t]
         assert len(live) == len(set(live)) and all(not r.pool.segment_of(b).draining or r.m.draining for b in live)
     assert r.m.counters.swaps_down >= 2 and r.m.counters.swaps_up >= 2
+
+
+def test_whether_a_swap_is_faster_is_asked_of_the_next_units_kind():
+    r = Rig(head=True)
+    assert not r.m.swap_speeds_up(1)  # nothing measured (no slowness pressure configured)
+    r.m.speedup = {"layer": {1: 1.3, 16: 1.0}, "lm_head": {1: 0.9, 16: 1.6}}  # as _calibrate leaves it
+    assert r.m.swap_speeds_up(1) and not r.m.swap_speeds_up(8)  # layer 2 next; batch 8 is judged at 16
+    down(r)  # layer 2 and the head swapped: layer 0 next
+    assert r.m.order[:2] == [2, HEAD_UNIT] and r.m.swap_speeds_up(1)
+    r.m.speedup["layer"] = {1: 1.0}
+    assert not r.m.swap_speeds_up(1)
+    r2 = Rig(head=True)
+    r2.m.failed.add(2)  # the head is next
+    r2.m.speedup = {"layer": {1: 1.3}, "lm_head": {1: 0.9, 16: 1.6}}
+    assert not r2.m.swap_speeds_up(1) and r2.m.swap_speeds_up(16)
