@@ -1,7 +1,8 @@
 """The controller on synthetic signal traces: bursts swap quickly, quiet restores, steady load never flaps."""
 import pytest
 
-from trtllm_backend.controller import TPOT_PRESSURE_SHARE, TTFT_PRESSURE_SHARE, Controller, Signals, parse_forced, parse_policy
+from trtllm_backend.controller import (TPOT_PRESSURE_SHARE, TTFT_PRESSURE_SHARE, Controller, Load, Signals, parse_forced,
+                                       parse_policy)
 
 
 def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, tpot=0.0, faster=False):
@@ -236,3 +237,21 @@ def test_a_drained_queue_restores_after_the_quiet_spell():
 def test_queueing_stops_at_the_policys_limit():
     c = Controller(parse_policy("balanced", 31, QUEUE))
     assert run(c, [QUEUED] * 100)[0] == c.policy.max_int4_layers
+
+
+def test_signals_are_the_load_plus_the_managers_state():
+    load = Load(now=3.0, waiting=4, head_wait_s=0.7, kv_usage=0.95, admission_blocked=True, new_preemptions=1,
+                head_blocks_short=40, tpot_s=0.02, batch=9)
+    s = Signals.of(load, blocks_per_layer=16, int4_layers=2, usage_after_shrink=0.6, swap_speeds_up=True)
+    assert s == Signals(now=3.0, waiting=4, head_wait_s=0.7, kv_usage=0.95, admission_blocked=True, new_preemptions=1,
+                        head_blocks_short=40, blocks_per_layer=16, int4_layers=2, usage_after_shrink=0.6, tpot_s=0.02,
+                        swap_speeds_up=True)
+
+
+def test_a_restore_called_off_restarts_the_quiet_spell():
+    c = Controller(parse_policy("balanced", 30))
+    quiet = dict(usage=0.1, after=0.15, int4=2)
+    c.restore_called_off(10.0)
+    assert c.decide(signals(10.0 + c.policy.up_quiet_s - 0.05, **quiet), 0) is None
+    action = c.decide(signals(10.0 + c.policy.up_quiet_s, **quiet), 1)
+    assert action is not None and action.kind == "up"

@@ -158,3 +158,20 @@ def test_a_decode_short_of_blocks_preempts_the_least_important_running_request()
 def test_a_priority_out_of_range_is_named(bad):
     with pytest.raises(InvalidRequest, match=r"priority: must be an integer in \[-10, 10\]"):
         SamplingParams(priority=bad)
+
+
+def test_head_blocks_short_counts_what_the_head_of_the_queue_lacks_within_a_priority():
+    s = Scheduler(pool(blocks=4, bs=4), max_batch_size=8, max_num_tokens=64)
+    assert s.head_within(0) is None and s.head_blocks_short(0) == 0  # nobody waits
+    hog = req("hog", 12)  # 3 of the 4 blocks
+    s.add(hog)
+    advance(s.schedule())
+    big = Request("big", list(range(10)), SamplingParams(max_tokens=5, priority=2), RequestTimings(arrival=1.0))
+    s.add(big)
+    out = s.schedule()
+    assert out.admission_blocked and s.waiting == [big] and big.block_table == []
+    assert s.pool.num_allocatable == 0  # the hog's first decode took the last block
+    assert s.head_within(2) is big and s.head_blocks_short(2) == 3  # 10 tokens: 3 blocks
+    assert s.head_within(1) is None and s.head_blocks_short(1) == 0  # a less important head is no load of class 1
+    s.finish(hog)
+    assert s.head_blocks_short(2) == 0  # room for it now

@@ -152,9 +152,26 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot
 
 
 @dataclass(slots=True)
+class Load:
+    """The serving load of one iteration, taken by the engine from its scheduler, KV pool and running streams
+    (only the classes within morph_priority_cutoff count) and handed to the morph manager, which reads it (never
+    changes it) and adds its own state to make the controller's `Signals`. Not frozen: built every iteration, and a
+    frozen dataclass costs several times more to build."""
+
+    now: float
+    waiting: int
+    head_wait_s: float = 0.0
+    kv_usage: float = 0.0
+    admission_blocked: bool = False
+    new_preemptions: int = 0
+    head_blocks_short: int = 0  # blocks the head of the queue lacks (0 if none waits)
+    tpot_s: float = 0.0  # running streams' recent TPOT (request.streams_tpot; 0 with none decoding)
+    batch: int = 0  # running requests: the decode batch a swap's speed is judged at
+
+
+@dataclass(slots=True)
 class Signals:
-    """What the controller decides on, built by the engine once per iteration (load from the scheduler and the
-    KV pool, morph state from the morph manager)."""
+    """What the controller decides on: an iteration's `Load` and the morph manager's state (MorphManager.signals)."""
 
     now: float
     waiting: int
@@ -168,6 +185,14 @@ class Signals:
     usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
     tpot_s: float = 0.0  # running streams' recent TPOT (request.streams_tpot; 0 with none decoding)
     swap_speeds_up: bool = False  # the next unit's quantized form was measured faster at the current decode batch
+
+    @classmethod
+    def of(cls, load: Load, *, blocks_per_layer: int, int4_layers: int, usage_after_shrink: float,
+           swap_speeds_up: bool = False) -> "Signals":
+        return cls(now=load.now, waiting=load.waiting, head_wait_s=load.head_wait_s, kv_usage=load.kv_usage,
+                   admission_blocked=load.admission_blocked, new_preemptions=load.new_preemptions,
+                   head_blocks_short=load.head_blocks_short, blocks_per_layer=blocks_per_layer, int4_layers=int4_layers,
+                   usage_after_shrink=usage_after_shrink, tpot_s=load.tpot_s, swap_speeds_up=swap_speeds_up)
 
 
 @dataclass(slots=True)
@@ -233,6 +258,10 @@ class Controller:
         self.last_action = s.now
         if self.policy.dynamic and self.pressure(s):
             self.last_pressure = s.now
+
+    def restore_called_off(self, now: float) -> None:
+        """A restore gave way to returning pressure (morph.py): the next one waits for a new quiet spell from `now`."""
+        self.last_pressure = now
 
     def kv_short(self, s: Signals) -> bool:
         """Requests wait and the KV cache is what they wait for (admission blocked, or usage past the threshold)."""

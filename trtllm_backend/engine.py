@@ -21,7 +21,7 @@ from plugins.quant_matmul import set_int4_activations, set_int4_prefill
 from . import huge_pages
 from .attention import AttentionPlan, SeqSlice
 from .config import EngineConfig
-from .controller import Signals, parse_policy
+from .controller import Load, parse_policy
 from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
 from .head import head_mode
@@ -261,35 +261,28 @@ class LLMEngine:
             self._finish(self.requests[rid], "abort")
 
     def _morph_tick(self) -> None:
-        """The iteration's Signals, handed to the morph manager with the running requests' block tables."""
+        """The iteration's Load, handed to the morph manager with the running requests' block tables."""
         s, p, m = self.scheduler, self.pool, self.morph
         now = time.monotonic()
         # NOTE: only the classes whose SLOs drive morphing (morph_priority_cutoff) are load: a burst of less
         # important work waits, or is preempted, rather than costing the others their precision.
         cutoff = self.config.morph_priority_cutoff
         waiting = s.waiting_within(cutoff)
-        head = s.waiting[0] if waiting else None
-        short = 0
-        if head is not None:
-            need = -(-(head.num_tokens - head.num_computed) // p.block_size)
-            short = max(0, need - p.num_allocatable)  # cached blocks nobody holds count as free
+        head = s.head_within(cutoff)
         driving = s.preemptions_within(cutoff)
         preemptions, self._seen_preemptions = driving - self._seen_preemptions, driving
-        signals = Signals(
+        load = Load(
             now=now,
             waiting=waiting,
             head_wait_s=now - head.timings.arrival if head else 0.0,
             kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
             admission_blocked=self._admission_blocked,
             new_preemptions=preemptions,
-            head_blocks_short=short,
-            blocks_per_layer=m.blocks_per_layer,
-            int4_layers=m.morphed_units,
-            usage_after_shrink=m.usage_after_shrink(),
+            head_blocks_short=s.head_blocks_short(cutoff),
             tpot_s=streams_tpot([r for r in s.running if r.priority <= cutoff]),
-            swap_speeds_up=m.swap_speeds_up(len(s.running)) if m.policy.slowness_counts else False,
+            batch=len(s.running),
         )
-        m.on_iteration(signals, self.counters.iterations, [r.block_table for r in s.running])
+        m.on_iteration(load, self.counters.iterations, [r.block_table for r in s.running])
         p.cache.set_weights(tuple(u.unit for u in m.swapped + m.stuck))  # KV is reused only under the weights that made it
         if self.config.check_invariants:
             self._note_violations(self.check_invariants())

@@ -2,14 +2,16 @@
 
 The morph manager is built from what it acts on (the layer slots, the KV pool, the fragment store and
 manifest, the engine's counters) and owns its memory account. The engine calls `on_iteration` once per
-iteration, between two iterations on the engine thread, with that iteration's `Signals` and the block tables
-of the running requests; every state change happens inside that call. Reading and preparing a fragment
+iteration, between two iterations on the engine thread, with that iteration's `Load` and the block tables
+of the running requests; the manager adds its own state to make the controller's `Signals`, and every state
+change happens inside that call. Reading and preparing a fragment
 happens on a background thread while the engine keeps stepping; only the rebinding (and the KV segment
 change it pays for) happens on the engine thread.
 
 The units swapped are the decoder layers (to INT4) and, with lm_head_precision=dynamic, the tied embedding / LM
-head table (to INT8), in one order (Manifest.unit_order): the controller's counts are units. Otherwise the head
-is bound at load to the precision it is configured with, like a static policy's INT4 layers.
+head table (to INT8), in one order (Manifest.unit_order) and behind one protocol (units.SwapUnit): the controller's
+counts are units. Otherwise the head is bound at load to the precision it is configured with, like a static
+policy's INT4 layers.
 
 Memory: one budget bounds everything resident, whichever policy runs. The manager binds the policy's weights at
 load, then allocates the KV pool from what the budget leaves: all of it for a static policy, all but a staging
@@ -29,20 +31,22 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import Callable
 
-from .controller import Action, Controller, MorphPolicy, Signals
+from .controller import Action, Controller, Load, MorphPolicy, Signals
 from .errors import FragmentError
 from .fragments import FragmentStore
 from .head import HeadSlot
 from .kv_cache import KVPool, KVSegment
-from .layers import LayerSlot, LayerWeights
+from .layers import LayerSlot
 from .manifest import HEAD_UNIT, Manifest
-from .memory import MemoryAccount
+from .memory import MemoryAccount, blocks_freed, resolve_budget
 from .outputs import EngineStats
 from .precision import HEAD_DYNAMIC, HEAD_FULL, HEAD_INT8, Precision
+from .units import HeadUnit, LayerUnit, SwapUnit
 
 log = logging.getLogger("morphserve.morph")
 
@@ -54,7 +58,7 @@ CALIBRATION_FLUSH_BYTES = 64 << 20
 SPEEDUP_MARGIN = 1.05  # below it the difference is within run-to-run noise here
 
 
-Unit = int | str  # a layer index, or HEAD_UNIT
+Unit = int | str  # a unit's key: a layer index, or HEAD_UNIT (units.SwapUnit)
 
 
 @dataclass(slots=True)
@@ -106,6 +110,10 @@ class MorphManager:
     base_kv_blocks: int = 0  # the KV pool the default budget holds beside the full-precision model
     budget_bytes: int | None = None  # default: the full-precision model + base_kv_blocks
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (controller.parse_forced)
+    # Where fragments are read and prepared (default: one background thread of its own), and the clock that times
+    # each swap: both given in by tests that run the manager without a model (tests/test_morph_manager_fakes.py).
+    executor: Executor | None = None
+    clock: Callable[[], float] = time.monotonic
     swapped: list[_Swapped] = field(default_factory=list)  # a stack: restores pop from the end
     failed: set[Unit] = field(default_factory=set)
     # Swapped down, and their full fragment failed to load at restore: they stay so until a restart (outside
@@ -122,30 +130,32 @@ class MorphManager:
         self.controller = Controller(self.policy, forced=dict(self.forced))
         self.swap_log = SwapLog()
         self.quantizable = all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers))
-        int4_bytes = [m.fragment(i, Precision.INT4)["bytes"] for i in range(m.num_layers)] if self.quantizable else []
         rebindable_head = self.head is not None and self.head.swappable  # tied (head.head_mode checked the set)
         self.head_unit = self.quantizable and self.head_mode == HEAD_DYNAMIC
         self.order: list[Unit] = m.unit_order() if self.head_unit else m.swap_order()
-        # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
-        self.down_bytes: dict[Unit, int] = dict(enumerate(int4_bytes))
+        self.units: dict[Unit, SwapUnit] = {slot.index: LayerUnit(slot, self.store, m) for slot in self.slots}
         if self.head_unit:
-            self.down_bytes[HEAD_UNIT] = m.head_fragment(Precision.INT8)["bytes"]
+            self.units[HEAD_UNIT] = HeadUnit(self.head, self.store, m)
+        # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
+        self.down_bytes: dict[Unit, int] = ({k: u.down_bytes() for k, u in self.units.items()}
+                                            if self.quantizable else {})
         # NOTE: only a policy that swaps while serving (or forced actions: benchmarks, tests) stages anything; a
         # static one spends the reserve on KV.
         swaps_live = (self.policy.dynamic or bool(self.forced)) and self.quantizable
         self.reserve = max(self.down_bytes.values(), default=0) if swaps_live else 0
         # Resident bytes of each full-precision unit, known exactly before anything is swapped.
-        self.full_bytes: dict[Unit, int] = {slot.index: slot.weights.nbytes for slot in self.slots}
+        self.full_bytes: dict[Unit, int] = {k: u.bound.nbytes for k, u in self.units.items()}
         # the shared bytes that never swap (the norm, an untied head); a tied table's bytes follow its binding
         self._fixed_shared = self.shared_nbytes - (self.head.table.nbytes if rebindable_head else 0)
-        if self.head_unit:
-            self.full_bytes[HEAD_UNIT] = self.head.table.nbytes
         # KV blocks one swapped layer buys (what the controller sizes a swap with; the head buys more).
-        self.blocks_per_layer = max(0, (self.full_bytes[0] - (int4_bytes[0] if int4_bytes else 0)) // self.pool.bytes_per_block)
+        self.blocks_per_layer = blocks_freed(self.full_bytes[0], self.down_bytes.get(0, 0), self.pool.bytes_per_block)
         self.account = MemoryAccount(budget=0, reserve=self.reserve, shared=self.shared_nbytes)
         self._refresh()
-        self.account.budget = self._budget(self.account.used)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
+        self.account.budget = resolve_budget(self.account.used, reserve=self.reserve,
+                                             bytes_per_block=self.pool.bytes_per_block, base_kv_blocks=self.base_kv_blocks,
+                                             given=self.budget_bytes, policy_name=self.policy.name)
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
         # full / quantized decode time of each kind of unit by batch (the slowness pressures' evidence), measured here
         self.speedup: dict[str, dict[int, float]] = {}
@@ -156,14 +166,14 @@ class MorphManager:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
             log.warning("no INT4 fragments in %s: morphing is off, serving at full precision", m.dir)
         self._bind_at_load()
-        if self._grow_kv(resize=False) is None:  # never expected: _budget checked the room for a block
+        if self._grow_kv(resize=False) is None:  # never expected: resolve_budget checked the room for a block
             raise AssertionError(f"no KV block fits the budget ({self.account})")
 
     # ---- state the engine reads (engine thread) --------------------------------------------------------
     @property
     def int4_layers(self) -> int:
         """Decoder layers bound to INT4."""
-        return sum(1 for s in self.swapped + self.stuck if s.unit != HEAD_UNIT)
+        return len(self.swapped_layers)
 
     @property
     def morphed_units(self) -> int:
@@ -173,11 +183,11 @@ class MorphManager:
     @property
     def head_int8(self) -> bool:
         """The head should be bound to its INT8 table: configured so, or swapped down as a unit."""
-        return self.head_mode == HEAD_INT8 or any(s.unit == HEAD_UNIT for s in self.swapped + self.stuck)
+        return self.head_mode == HEAD_INT8 or any(self.units[s.unit].kind == HeadUnit.kind for s in self.swapped + self.stuck)
 
     @property
     def swapped_layers(self) -> list[int]:
-        return [s.unit for s in self.swapped + self.stuck if s.unit != HEAD_UNIT]
+        return [s.unit for s in self.swapped + self.stuck if self.units[s.unit].kind == LayerUnit.kind]
 
     def usage_after_shrink(self) -> float:
         """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink); cached blocks nobody
@@ -203,7 +213,7 @@ class MorphManager:
         candidates = self._candidates() if self.speedup else []
         if not candidates:
             return False
-        ratios = self.speedup["lm_head" if candidates[0] == HEAD_UNIT else "layer"]
+        ratios = self.speedup[self.units[candidates[0]].kind]
         at = min((b for b in ratios if b >= batch), default=max(ratios))  # the nearest measured batch at or above
         return ratios[at] >= SPEEDUP_MARGIN
 
@@ -215,22 +225,16 @@ class MorphManager:
         import torch
 
         t0 = time.monotonic()
-        layer = next(u for u in self.order if u != HEAD_UNIT)
-        quant_layer = self.store.load_layer(layer, Precision.INT4)
-        forms = {"layer": (self.slots[layer].weights, quant_layer)}
-        if self.head_unit:
-            forms["lm_head"] = (self.head.table, self.store.load_head(Precision.INT8))
+        firsts: dict[str, SwapUnit] = {}  # the first unit of each kind in the swap order
+        for key in self.order:
+            firsts.setdefault(self.units[key].kind, self.units[key])
+        forms = {kind: (unit, unit.bound, unit.load(down=True))
+                 for kind, unit in sorted(firsts.items(), key=lambda ku: ku[0] != "layer")}  # the layer first
         flush = torch.empty(CALIBRATION_FLUSH_BYTES // 4)
         c = self.manifest.config
 
-        def run(weights, x, xi):
-            if isinstance(weights, LayerWeights):
-                weights.qkv(x), weights.o(x), weights.gate_up(x), weights.down(xi)
-            else:
-                weights.linear(x)
-
         with torch.inference_mode():
-            for kind, (full, quant) in forms.items():
+            for kind, (unit, full, quant) in forms.items():
                 self.speedup[kind] = {}
                 for batch in CALIBRATION_BATCHES:
                     x, xi = torch.randn(batch, c.hidden_size), torch.randn(batch, c.intermediate_size)
@@ -240,28 +244,15 @@ class MorphManager:
                         for _ in range(CALIBRATION_REPS):
                             flush.fill_(1.0)
                             t = time.perf_counter()
-                            run(weights, x, xi)
+                            unit.decode(weights, x, xi)
                             times.append(time.perf_counter() - t)
                         best[name] = min(times)
                     self.speedup[kind][batch] = best["full"] / best["quant"]
-        del quant_layer, forms, flush
+        del forms, flush
         log.info("morph: decode speed full/quantized by batch, measured at load in %.0f ms: %s", (time.monotonic() - t0) * 1e3,
                  {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()})
 
     # ---- accounting -----------------------------------------------------------------------------
-    def _budget(self, full_model: int) -> int:
-        """The budget, given or by default the full-precision model (`full_model` bytes, all bound now) plus the
-        base KV pool; refused when it cannot hold that model, the staging reserve and one KV block."""
-        least = full_model + self.reserve + self.pool.bytes_per_block
-        budget = self.budget_bytes or full_model + self.base_kv_blocks * self.pool.bytes_per_block
-        if budget < least:
-            what = (f"memory_budget_bytes: {budget}" if self.budget_bytes else
-                    f"max_tokens_in_paged_kv_cache: {self.base_kv_blocks} blocks ({budget} bytes with the model)")
-            reserve = f" plus the {self.reserve}-byte staging reserve of policy {self.policy.name}" if self.reserve else ""
-            raise ValueError(f"{what} is below the full-precision model ({full_model} bytes){reserve} plus one KV block "
-                             f"({self.pool.bytes_per_block} bytes): {least} bytes at least")
-        return budget
-
     def _bind_at_load(self) -> None:
         """Bind the configured INT8 head and a static policy's INT4 layers before any KV exists. NOTE: each
         quantized form is read while its full form is still bound: the load peaks one fragment above the budget,
@@ -275,13 +266,10 @@ class MorphManager:
         self._refresh()
 
     def _refresh(self) -> None:
-        a = self.account
-        a.shared = self._fixed_shared + (self.head.table.nbytes if self.head is not None and self.head.swappable else 0)
-        a.layers = sum(s.weights.nbytes for s in self.slots)
-        a.kv = self.pool.nbytes
-        a.staged = self.job.staged_bytes if self.job else 0
-        if a.budget and a.used > a.budget:  # never expected: every allocation is checked first
-            raise AssertionError(f"memory account {a.used} exceeds the budget {a.budget}")
+        """Count what is resident now into the account (memory.MemoryAccount.update checks it against the budget)."""
+        head = self.head.table.nbytes if self.head is not None and self.head.swappable else 0
+        self.account.update(shared=self._fixed_shared + head, layers=sum(s.weights.nbytes for s in self.slots),
+                            kv=self.pool.nbytes, staged=self.job.staged_bytes if self.job else 0)
 
     def _grow_kv(self, resize: bool = True) -> KVSegment | None:
         """What the budget leaves, as a new KV segment; counted as a resize unless it is the pool made at load."""
@@ -294,9 +282,17 @@ class MorphManager:
         return seg
 
     # ---- the per-iteration call (engine thread) -------------------------------------------------
-    def on_iteration(self, signals: Signals, iteration: int, block_tables: list[list[int]]) -> None:
-        """Advance morphing by one iteration. `signals` were taken before this call and `block_tables` are the
+    def signals(self, load: Load) -> Signals:
+        """The controller's signals: the engine's `load` and this manager's state now (units swapped, the blocks a
+        swap buys, KV usage after a shrink, whether the next swap is faster at the load's batch)."""
+        return Signals.of(load, blocks_per_layer=self.blocks_per_layer, int4_layers=self.morphed_units,
+                          usage_after_shrink=self.usage_after_shrink(),
+                          swap_speeds_up=self.swap_speeds_up(load.batch) if self.policy.slowness_counts else False)
+
+    def on_iteration(self, load: Load, iteration: int, block_tables: list[list[int]]) -> None:
+        """Advance morphing by one iteration. `load` was taken before this call and `block_tables` are the
         running requests' tables (rewritten in place when their blocks move out of a draining segment)."""
+        signals = self.signals(load)  # before anything below changes the state they describe
         self._unseen_preemptions += signals.new_preemptions  # kept for the next decision if none is made now
         changed = False
         if self.job and self.job.future.done():
@@ -357,48 +353,40 @@ class MorphManager:
             # NOTE: nothing frees budget on its own (KV grows only into what is left): waiting would retry every
             # iteration and keep the manager busy forever
             log.warning("morph: no room to stage %s (%d bytes, %d of %d budget bytes used); the swap is given up",
-                        _name(unit), staged, self.account.used, self.account.budget)
+                        self.units[unit].name, staged, self.account.used, self.account.budget)
             self.pending_down = 0
             return
         self._submit("down", unit, staged)
 
     def _load(self, unit: Unit, down: bool):
         """A unit's swapped-down or full form, read from its fragment (any thread)."""
-        if unit == HEAD_UNIT:
-            return self.store.load_head(Precision.INT8 if down else Precision.FULL)
-        return self.store.load_layer(unit, Precision.INT4 if down else Precision.FULL)
+        return self.units[unit].load(down)
 
     def _submit(self, kind: str, unit: Unit, staged: int) -> None:
-        fut = self.executor.submit(self._load, unit, kind == "down")
-        self.job = _Job(kind, unit, fut, staged, time.monotonic())
+        fut = self.executor.submit(self.units[unit].load, kind == "down")
+        self.job = _Job(kind, unit, fut, staged, self.clock())
         self._refresh()
 
     def _bind(self, unit: Unit, weights, down: bool) -> str:
         """Rebind a unit to its swapped-down or full form; returns the precision bound. The old form is dropped."""
-        if unit == HEAD_UNIT:
-            precision = Precision.INT8 if down else Precision.FULL
-            self.head.bind(weights, precision)
-        else:
-            precision = Precision.INT4 if down else Precision.FULL
-            self.slots[unit].bind(weights, precision)
-        return precision
+        return self.units[unit].bind(weights, down)
 
     def _finish_job(self) -> None:
         job, self.job = self.job, None
-        prepare = time.monotonic() - job.started
+        prepare = self.clock() - job.started
         try:
             weights = job.future.result()
         except Exception as err:  # anything the staging thread raised (a bad file, a failed allocation, a bug)
             self.counters.swap_failures += 1
             if job.kind == "down":
-                log.error("morph: cannot load %s for down: %s; it stays where it is", _name(job.unit), err)
+                log.error("morph: cannot load %s for down: %s; it stays where it is", self.units[job.unit].name, err)
                 self.failed.add(job.unit)
                 self.pending_down = max(0, self.pending_down - 1)
                 self._refresh()
             else:
                 self._restore_failed(err)
             return
-        t0 = time.monotonic()
+        t0 = self.clock()
         if job.kind == "down":
             precision = self._bind(job.unit, weights, down=True)
             del weights  # the full fragment's memory goes back now (the slot held the only other reference)
@@ -415,10 +403,10 @@ class MorphManager:
             self.pending_up = max(0, self.pending_up - 1)  # 0 already where the rest of the restore gave way
             self._refresh()
             self._grow_kv()  # the INT4 fragment's bytes are free again: keep the reserve, use the rest
-        apply = time.monotonic() - t0
+        apply = self.clock() - t0
         self.swap_log.record(prepare, apply)
         log.info("morph: %s -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers, lm_head %s)",
-                 _name(job.unit), precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers,
+                 self.units[job.unit].name, precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers,
                  Precision.INT8 if self.head_int8 else Precision.FULL)
 
     # ---- restore -----------------------------------------------------------------------------------
@@ -433,7 +421,7 @@ class MorphManager:
         top.segment = self._grow_kv()
         self.stuck.append(top)
         log.error("morph: cannot restore %s to full precision: %s; it stays swapped down until the fragment is "
-                  "repaired and the server restarted", _name(top.unit), err)
+                  "repaired and the server restarted", self.units[top.unit].name, err)
     def _start_up(self, block_tables: list[list[int]]) -> None:
         if not self.swapped:
             self.pending_up = 0
@@ -475,7 +463,7 @@ class MorphManager:
             seg, self.draining = self.draining, None
             seg.draining = False  # it takes new blocks again; what already moved out stays where it went
         self.pending_up = staging_up
-        self.controller.last_pressure = signals.now  # the next restore waits for a new quiet spell
+        self.controller.restore_called_off(signals.now)
         self.counters.restores_called_off += 1
         log.info("morph: restore called off with %d unit(s) not restored (%d swapped) - %s", left,
                  self.morphed_units - staging_up, "; ".join(why))
@@ -508,16 +496,14 @@ class MorphManager:
         extra = next((s for s in reversed(self.pool.segments[1:]) if not s.draining), None)
         if extra is None:
             log.error("morph: no room to stage full %s (%d bytes) with every added KV segment released; "
-                      "the restore is given up", _name(unit), staged)
+                      "the restore is given up", self.units[unit].name, staged)
             self.pending_up = 0
             return
-        log.warning("morph: no room to stage full %s yet; draining the KV segment at block %d too", _name(unit), extra.base)
+        log.warning("morph: no room to stage full %s yet; draining the KV segment at block %d too", self.units[unit].name,
+                    extra.base)
         self.draining = extra
         self._continue_drain(block_tables)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
-
-def _name(unit: Unit) -> str:
-    return "the lm_head table" if unit == HEAD_UNIT else f"layer {unit}"

@@ -90,6 +90,19 @@ class Scheduler:
         """Waiting requests of this priority or a more important one (the head of the queue first)."""
         return bisect.bisect_right(self.waiting, priority, key=lambda r: r.priority)
 
+    def head_within(self, priority: int) -> Request | None:
+        """The head of the queue, if it is of this priority or a more important one (else None)."""
+        return self.waiting[0] if self.waiting and self.waiting[0].priority <= priority else None
+
+    def head_blocks_short(self, priority: int) -> int:
+        """KV blocks the head of the queue (as `head_within`) lacks to be admitted with its whole prompt: the blocks
+        its uncomputed tokens need beyond what the pool can hand out now (cached blocks nobody holds count as free);
+        0 if no such request waits. What a swap down must pay for to admit it (controller.Controller.decide)."""
+        head = self.head_within(priority)
+        if head is None:
+            return 0
+        return max(0, self._blocks_needed(head, head.num_tokens - head.num_computed) - self.pool.num_allocatable)
+
     def preemptions_within(self, priority: int) -> int:
         """Preemptions so far of requests of this priority or a more important one."""
         return sum(n for p, n in self.preemptions_by_priority.items() if p <= priority)
