@@ -155,6 +155,11 @@ class MorphManager:
             if self.policy.static_int4_layers:
                 raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
             log.warning("no INT4 fragments in %s: morphing is off, serving at full precision", m.dir)
+        # The layers' unswapped form: full, or every layer's Q4_1 fragment (policy q4_1).
+        self.base = Precision(self.policy.base_precision)
+        if self.base != Precision.FULL and not all(self.base in m.precisions(i) for i in range(m.num_layers)):
+            raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no {self.base} fragment for every "
+                                f"layer (build them with python -m engines.build_fragments --q4-1)")
         self._bind_at_load()
         if self._grow_kv(resize=False) is None:  # never expected: _budget checked the room for a block
             raise AssertionError(f"no KV block fits the budget ({self.account})")
@@ -263,11 +268,15 @@ class MorphManager:
         return budget
 
     def _bind_at_load(self) -> None:
-        """Bind the configured INT8 head and a static policy's INT4 layers before any KV exists. NOTE: each
+        """Bind the configured INT8 head, the policy's base form of every layer where it is not full (q4_1) and a
+        static policy's INT4 layers before any KV exists. NOTE: each
         quantized form is read while its full form is still bound: the load peaks one fragment above the budget,
         which bounds what is resident from then on (and checks every allocation against it)."""
         if self.head_mode == HEAD_INT8:
             self.head.bind(self.store.load_head(Precision.INT8), Precision.INT8)
+        if self.base != Precision.FULL:  # not swaps: the form each layer is served in (and restored to)
+            for slot in self.slots:
+                slot.bind(self.store.load_layer(slot.index, self.base), self.base)
         for unit in self._candidates()[:self.policy.static_int4_layers]:
             self._bind(unit, self._load(unit, down=True), down=True)
             self.swapped.append(_Swapped(unit, None))
@@ -366,7 +375,7 @@ class MorphManager:
         """A unit's swapped-down or full form, read from its fragment (any thread)."""
         if unit == HEAD_UNIT:
             return self.store.load_head(Precision.INT8 if down else Precision.FULL)
-        return self.store.load_layer(unit, Precision.INT4 if down else Precision.FULL)
+        return self.store.load_layer(unit, Precision.INT4 if down else self.base)
 
     def _submit(self, kind: str, unit: Unit, staged: int) -> None:
         fut = self.executor.submit(self._load, unit, kind == "down")
@@ -379,7 +388,7 @@ class MorphManager:
             precision = Precision.INT8 if down else Precision.FULL
             self.head.bind(weights, precision)
         else:
-            precision = Precision.INT4 if down else Precision.FULL
+            precision = Precision.INT4 if down else self.base
             self.slots[unit].bind(weights, precision)
         return precision
 
