@@ -28,8 +28,9 @@ def measurements_beside() -> list[str]:
         out = subprocess.run(["pgrep", "-af", "tools.capacity|isolate_server"], capture_output=True, text=True).stdout
     except OSError:
         return []
-    return [line.split(" ", 1)[1] for line in out.splitlines() if str(os.getpid()) != line.split(" ", 1)[0]
-            and "pgrep" not in line]
+    # their command lines, with any absolute path as <path>: results name no path of this machine
+    return [" ".join("<path>" if a.startswith("/") else a for a in line.split(" ")[1:]) for line in out.splitlines()
+            if str(os.getpid()) != line.split(" ", 1)[0] and "pgrep" not in line]
 
 
 def main(argv=None) -> int:
