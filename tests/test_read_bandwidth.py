@@ -41,3 +41,23 @@ def test_the_buffer_comes_from_the_allocator_given():
 
     r = read_bandwidth.floor_bandwidth(1 << 20, alloc=alloc, rounds=1)
     assert calls == [1 << 20] and r["bytes"] == 1 << 20
+
+
+def test_the_tool_writes_every_size_and_names_no_path(tmp_path, monkeypatch):
+    import json
+
+    from tools import read_bandwidth as tool
+
+    real = tool.subprocess.run
+
+    def run(cmd, *a, **k):  # pgrep answers with a pinned measurement; git (the provenance) runs for real
+        if cmd[0] != "pgrep":
+            return real(cmd, *a, **k)
+        return type("R", (), {"stdout": "1 pgrep -af x\n4242 python -m tools.isolate_server --match /somewhere/else\n"})()
+
+    monkeypatch.setattr(tool.subprocess, "run", run)
+    out = tmp_path / "bw.json"
+    assert tool.main(["--sizes-mb", "4", "8", "--rounds", "1", "--reps", "1", "--json", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert [s["bytes"] for s in run["sizes"]] == [4 << 20, 8 << 20]
+    assert run["measurements_beside"] == ["python -m tools.isolate_server --match <path>"]
