@@ -3,9 +3,14 @@
     python -m engines.build_fragments                       # the embedded SmolLM2 (GGUF from PyPI)
     python -m engines.build_fragments --gguf FILE | --hf DIR --out DIR --model-name NAME
     python -m engines.build_fragments --lm-head-int8 [--from SRC] --out DIR   # only the INT8 embedding / LM head
+    python -m engines.build_fragments --q4-1 [--gguf FILE] [--from SRC --out DIR]   # + the GGUF's Q4_1 blocks
 
 A tied model's set includes the INT8 fragment of its embedding / LM head table (a swap unit, ranked among the layers
 once their order is profiled); --no-lm-head leaves it out. `--if-missing` adds it to a set that predates it.
+
+`--q4-1` also writes a GGUF-built set's Q4_1 fragments (engines/gguf_q4_1.py): the file's own 4-bit blocks, each
+checked to dequantize to its full fragment bit for bit, served by morph_policy=q4_1. With --from SRC they go into
+--out as an overlay of SRC (its files linked), the full set is not rebuilt.
 """
 from __future__ import annotations
 
@@ -218,13 +223,30 @@ def main(argv: list[str] | None = None) -> int:
                          "SRC: into --out as an overlay of SRC, its files linked); with --if-missing only when it is "
                          "missing or stale, or just re-rank it when the layer order was re-profiled")
     ap.add_argument("--no-lm-head", action="store_true", help="a set without the INT8 embedding / LM head unit")
-    ap.add_argument("--from", dest="src", help="with --lm-head-int8: the set to overlay (default: --out itself)")
+    ap.add_argument("--q4-1", action="store_true",
+                    help="also write the Q4_1 fragments: the GGUF's own 4-bit blocks kept exactly (morph_policy=q4_1); "
+                         "with --if-missing only when they are missing or do not verify")
+    ap.add_argument("--from", dest="src", help="with --lm-head-int8 or --q4-1: the set to overlay (default: --out itself)")
     ap.add_argument("--corpus", help="the head's ranking text (default: the profile's corpus in ../shared)")
     args = ap.parse_args(argv)
     if args.lm_head_int8 and args.no_lm_head:
         ap.error("--lm-head-int8 and --no-lm-head contradict each other")
+    if args.q4_1 and args.hf:
+        ap.error("--q4-1 needs a GGUF source (--gguf FILE or the embedded one), not --hf")
+    if args.src and not (args.lm_head_int8 or args.q4_1):
+        ap.error("--from goes with --lm-head-int8 or --q4-1")
     out = Path(args.out) if args.out else default_fragment_dir(args.model_name)
     corpus = Path(args.corpus) if args.corpus else None
+    if args.src:
+        link_set(Path(args.src), out)
+    if args.q4_1:
+        if not args.src and not fragments_ok(out):
+            main([a for a in (argv if argv is not None else sys.argv[1:]) if a != "--q4-1"])  # the set first
+        from .gguf_q4_1 import ensure_q4_1
+
+        done = ensure_q4_1(out, args.gguf, force=not args.if_missing)
+        print(f"[fragments] Q4_1 fragments {done} in {out} (bitwise the full fragments, dequantized)")
+        return 0
     if not args.lm_head_int8:
         if args.if_missing and fragments_ok(out):
             print(f"[fragments] up to date: {out}")
@@ -239,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[fragments] wrote {out}")
         if args.no_lm_head:
             return 0
-    elif args.src:
-        link_set(Path(args.src), out)
     # The head unit is part of the default set of a tied model (INT8 loses no measurable perplexity:
     # results/quality/lm_head.json); a set that predates it gets it here.
     done = ensure_head(out, corpus, force=args.lm_head_int8 and not args.if_missing)

@@ -23,14 +23,16 @@ BLOCK = 16
 
 class OfflineModel:
     def __init__(self, fragment_dir: str | Path, max_len: int = 1024, weight_dtype: torch.dtype = torch.float32,
-                 kv_dtype: torch.dtype = torch.float32):
+                 kv_dtype: torch.dtype = torch.float32, quantized: str = Precision.INT4):
         self.manifest = Manifest(fragment_dir)
         # weight_dtype=float16 stores the full-precision weights as the served default does (fp32 compute).
         self.store = FragmentStore(self.manifest, torch.float32, weight_dtype)
         self.model = LlamaModel(self.store, max_len)
         self.config = self.manifest.config
         self.full: list[LayerWeights] = [s.weights for s in self.model.slots]
-        self.int4: list[LayerWeights] = [self.store.load_layer(i, Precision.INT4) for i in range(self.config.num_layers)]
+        # The quantized form set_quantized binds: INT4 (AWQ, the morph rung) or Q4_1 (a GGUF's own blocks).
+        self.quantized = Precision(quantized)
+        self.int4: list[LayerWeights] = [self.store.load_layer(i, self.quantized) for i in range(self.config.num_layers)]
         # kv_dtype=float16 stores K/V as a served kv_cache_dtype=float16 pool does: every attention reads them rounded.
         self.kv_dtype = kv_dtype
         self.pool = KVPool(self.config, BLOCK, kv_dtype)
@@ -46,7 +48,7 @@ class OfflineModel:
     def set_quantized(self, layers) -> None:
         q = set(layers)
         for i, slot in enumerate(self.model.slots):
-            slot.bind(self.int4[i] if i in q else self.full[i], Precision.INT4 if i in q else Precision.FULL)
+            slot.bind(self.int4[i] if i in q else self.full[i], self.quantized if i in q else Precision.FULL)
 
     def _plan(self, batch: int, length: int) -> AttentionPlan:
         need = batch * -(-length // BLOCK)

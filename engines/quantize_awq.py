@@ -8,6 +8,10 @@ size = GROUP_SIZE) on text from the first 80% of the corpus (the last 10% is hel
 per-layer AWQ pre-quant scales -> `layer_XXX.int4.safetensors` (+ `layer_XXX.int8.safetensors`, plain
 per-channel RTN) listed in manifest.json -> ModelOpt's unified HF checkpoint (W4A16_AWQ) for TensorRT-LLM.
 ModelOpt is imported only for calibration (install it with tools/setup_calib.sh).
+
+These INT4 fragments are the morph rung: they stand in for the INT4 form of an FP16 model (a re-quantization, +6.7%
+perplexity with every layer INT4). A GGUF's own Q4_1 blocks are served as they are, losslessly, by another
+precision (engines/gguf_q4_1.py, morph_policy=q4_1).
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ Two forms of each weight:
           in the low one: torch's CUDA packing convention); `<p>.scales_zeros` bf16 [in/G, out, 2] in the
           gpt-fast convention, w = (q - 8) * scale + zero; optional `<p>.pre_scale` fp32 [in].
     INT8: `<p>.weight` int8 [out, in], symmetric per output channel; `<p>.scales` bf16 [out].
+    Q4_1 (a GGUF's own 4-bit blocks, kept exactly: engines/gguf_q4_1.py): `<p>.qweight` as INT4's;
+          `<p>.scales_mins` fp16 [out, in/32, 2], each block's scale d and min m as the GGUF stores them,
+          w = q * d + m. Run by the same INT4 kernels (int4_pack reads fp16 (d, m) where AWQ gives bf16 (s, z)).
 - *platform* (resident, packed for the kernel at load time) inside `Int4Linear` / `Int8Linear`.
 
 AWQ pre-scale (ModelOpt's `pre_quant_scale` convention): y = Q(W / s) @ (x * s). Where the previous op is an
@@ -74,6 +77,26 @@ def dequantize_int4(tensors: dict[str, Tensor], prefix: str = "") -> Tensor:
     w = (q - 8) * scale + zero
     pre = tensors.get(prefix + "pre_scale")
     return w if pre is None else w * pre[None, :]
+
+
+# ---------------------------------------------------------------- portable Q4_1 (GGUF blocks, kept exactly)
+
+Q4_1_BLOCK = 32  # inputs per GGUF Q4_1 block (one fp16 scale d and min m)
+
+
+def dequantize_q4_1(tensors: dict[str, Tensor], prefix: str = "") -> Tensor:
+    """Effective fp32 weight [out, in] of a portable Q4_1 weight: q * d + m in fp32, which is the GGUF reader's
+    dequantization bit for bit (d * q is exact in fp32, so only the sum rounds, once, in both)."""
+    q = unpack_int4(tensors[prefix + "qweight"]).to(torch.float32)
+    dm = tensors[prefix + "scales_mins"].to(torch.float32)
+    group_size = q.shape[1] // dm.shape[1]
+    d = dm[..., 0].repeat_interleave(group_size, 1)
+    m = dm[..., 1].repeat_interleave(group_size, 1)
+    return q * d + m
+
+
+def is_q4_1(tensors: dict[str, Tensor], prefix: str = "") -> bool:
+    return prefix + "scales_mins" in tensors
 
 
 # ---------------------------------------------------------------- portable INT8 (symmetric, per channel)
@@ -154,7 +177,8 @@ def decode_kernel_everywhere():
 
 
 class Int4Linear:
-    """INT4 weight-only linear: y = x @ W^T, fp32 in and out.
+    """INT4 weight-only linear: y = x @ W^T, fp32 in and out; AWQ's portable form or a GGUF's Q4_1 blocks
+    (`q4_1`: fp16 scale and min per block, exactly as the file has them).
 
     Kernels, by platform:
     - CPU with the project's C++ kernels (plugins/cpu_kernels.py): `morphserve::int4_linear` on the nibbles
@@ -163,22 +187,36 @@ class Int4Linear:
       in fp32 (about fp32's speed, where torch's int4 kernel is 2.4x slower at 512 rows).
     - CPU without them: torch's `_weight_int4pack_mm_for_cpu`, bf16 activations.
     - CUDA: torch's tinygemm `_weight_int4pack_mm` (untested here).
+    Q4_1 runs on the C++ kernels (the same tiles; fp16 d and m where AWQ has bf16 s and z). Without them (or on
+    CUDA) no torch op takes fp16 (d, m) exactly, so each call dequantizes (`dequantize_q4_1`) and multiplies in
+    fp32: exact, slow, and the resident bytes stay the 4-bit form the memory account counts.
     NOTE: it keeps one resident form of the weight (a platform packing of the nibbles), never two; files are
     written from `quantize_int4`'s dict, the portable form.
     """
 
-    __slots__ = ("in_features", "out_features", "group_size", "_packed", "_scales_zeros", "_pre_scale", "_mm",
+    __slots__ = ("in_features", "out_features", "group_size", "q4_1", "_packed", "_scales_zeros", "_pre_scale", "_mm",
                  "_cpp", "nbytes")
 
     def __init__(self, tensors: dict[str, Tensor], prefix: str = ""):
         qweight = tensors[prefix + "qweight"].contiguous()  # its device decides the kernel
-        sz = tensors[prefix + "scales_zeros"]
+        self.q4_1 = is_q4_1(tensors, prefix)
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
-        self.group_size = self.in_features // sz.shape[0]
         pre = tensors.get(prefix + "pre_scale")
         self._pre_scale = None if pre is None else pre.to(torch.float32).contiguous()
-        self._scales_zeros = sz.to(torch.bfloat16).contiguous()
         self._cpp = None if qweight.is_cuda else cpu_kernels.ops()
+        if self.q4_1:
+            dm = tensors[prefix + "scales_mins"].to(torch.float16).contiguous()  # [out, in/G, 2]: the kernel's order
+            self.group_size = self.in_features // dm.shape[1]
+            if self._cpp is not None:
+                self._packed, self._scales_zeros = self._cpp.int4_pack(qweight, dm, self.group_size)
+            else:
+                self._packed, self._scales_zeros = qweight, dm
+            self._mm = None
+            self.nbytes = _nbytes(self._packed, self._scales_zeros, self._pre_scale)
+            return
+        sz = tensors[prefix + "scales_zeros"]
+        self.group_size = self.in_features // sz.shape[0]
+        self._scales_zeros = sz.to(torch.bfloat16).contiguous()
         if self._cpp is not None:
             # [in/G, out, 2] -> per output row [out, in/G, 2] -> the kernel's blocks of 8 rows
             self._packed, self._scales_zeros = self._cpp.int4_pack(
@@ -220,6 +258,9 @@ class Int4Linear:
             return y.reshape(*lead, self.out_features)
         if self._pre_scale is not None:
             x = x * self._pre_scale
+        if self.q4_1:  # no kernels: exact, dequantized per call (the class docstring says why)
+            w = dequantize_q4_1({"qweight": self._packed, "scales_mins": self._scales_zeros})
+            return (x.to(torch.float32) @ w.t()).to(x.dtype)
         return _bf16_call(lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros),
                           x, self.out_features)
 

@@ -4,6 +4,7 @@
     python -m tools.eval_quality --lm-head --fragment-dir DIR   # the INT8 embedding / LM head's cost (lm_head.json)
     python -m tools.eval_quality --int4-activations   # int8 vs fp32 activations in the INT4 decode kernel
     python -m tools.eval_quality --kv-cache-check     # the KV cache stored in fp16 vs fp32 (kv_cache.json)
+    python -m tools.eval_quality --q4-1 --fragment-dir DIR   # the GGUF's Q4_1 blocks served as they are (q4_1.json)
 
 Held-out text: the last 10% of the corpus (calibration and profiling use the first 80%). Orders:
 front-to-back, back-to-front, random (seeded) and LIS (the profiled swap order in the manifest). Writes
@@ -208,6 +209,82 @@ def activations_check(args, t0: float) -> int:
     return 0
 
 
+def q4_1_check(args, t0: float) -> int:
+    """Every layer on its Q4_1 fragment (the GGUF's own blocks, engines/gguf_q4_1.py) against full precision (the
+    same blocks dequantized to fp32), on the same held-out tokens: through the prefill path (dequantize + MKL in
+    fp32: the same weights bit for bit, so the same perplexity) and through the INT4 decode kernel for every token
+    with fp32 and with int8 activations; beside them the AWQ INT4 fragments (the morph rung) through the same
+    kernel, and full precision stored in fp16 (the served weight_dtype=float16). Needs a set with Q4_1 fragments
+    (engines.build_fragments --q4-1)."""
+    import torch
+
+    from plugins.quant_matmul import decode_kernel_everywhere, set_int4_activations, set_int4_prefill
+    from trtllm_backend.precision import Precision
+
+    frag = Path(args.fragment_dir).resolve()
+    shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag.name  # results name no path of this machine
+    out: dict = {"command": f"python -m tools.eval_quality --q4-1 --fragment-dir {shown}", **code_version(),
+                 "load_avg_1m_start": round(os.getloadavg()[0], 2),
+                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
+                              "seq_len": args.seq_len}, "runs": []}
+    q41 = OfflineModel(args.fragment_dir, max_len=args.seq_len, quantized=Precision.Q4_1)
+    ids = corpus_tokens(Tokenizer(q41.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    n = q41.config.num_layers
+    full = perplexity(q41, ids, [])
+    out["full_precision_ppl"] = full
+    print(f"[quality] full precision (fp32 weights and activations): {full:.6f}", flush=True)
+
+    def run(name: str, model: OfflineModel, layers, activations: str | None, note: str) -> None:
+        previous = set_int4_activations(activations or "float32"), set_int4_prefill("float32")
+        try:
+            if activations is None:
+                ppl = perplexity(model, ids, layers)
+            else:
+                with decode_kernel_everywhere():
+                    ppl = perplexity(model, ids, layers)
+        finally:
+            set_int4_activations(previous[0])
+            set_int4_prefill(previous[1])
+        row = {"config": name, "perplexity": ppl, "vs_full_pct": 100 * (ppl / full - 1), "exactly_full": ppl == full,
+               "note": note}
+        out["runs"].append(row)
+        print(f"[quality] {name}: {ppl:.6f} ({row['vs_full_pct']:+.4f}% vs full){' = full' if ppl == full else ''}", flush=True)
+
+    every = list(range(n))
+    run("q4_1, prefill path (fp32 dequantize + MKL)", q41, every, None,
+        "the Q4_1 weights dequantized are the full weights bit for bit")
+    run("q4_1, decode kernel, fp32 activations", q41, every, "float32",
+        "every token through the INT4 tiles: sum_g d (x.q) + m sum(x), another fp32 summation order")
+    run("q4_1, decode kernel, int8 activations", q41, every, "int8",
+        "activations quantized per 32 inputs (the served default int4_activations=int8; llama.cpp's Q8 dot products do alike)")
+    bytes_q41 = sum(w.nbytes for w in q41.int4)
+    bytes_full = sum(w.nbytes for w in q41.full)
+    del q41
+    awq = OfflineModel(args.fragment_dir, max_len=args.seq_len)
+    run("int4 (AWQ), decode kernel, fp32 activations", awq, every, "float32", "the morph rung: a re-quantization")
+    run("int4 (AWQ), decode kernel, int8 activations", awq, every, "int8", "the morph rung, served activations")
+    bytes_awq = sum(w.nbytes for w in awq.int4)
+    del awq
+    fp16 = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=torch.float16)
+    run("full, weights stored in fp16 (fp32 compute)", fp16, [], None,
+        "weight_dtype=float16: q*d+m rounded to fp16, so not the GGUF's weights exactly")
+    out["layer_bytes"] = {"full_fp32": bytes_full, "q4_1": bytes_q41, "int4_awq": bytes_awq}
+    path = _write_check(args, out, ids, t0, "q4_1.json")
+    lines = ["| configuration (all 30 layers) | perplexity | vs full |", "|---|---|---|"]
+    lines.append(f"| full precision (fp32) | {full:.4f} | |")
+    for r in out["runs"]:
+        same = " (identical)" if r["exactly_full"] else ""
+        lines.append(f"| {r['config']} | {r['perplexity']:.4f} | {r['vs_full_pct']:+.4f}%{same} |")
+    (path.parent / "q4_1.md").write_text(
+        f"Q4_1 fragments (the GGUF's own 4-bit blocks, fp16 d and m per 32 weights, kept exactly) against full precision "
+        f"(the same blocks dequantized to fp32). Perplexity on {out['held_out']['tokens']} held-out tokens (last 10% of "
+        f"{Path(args.corpus).name}, {args.windows} windows of {args.seq_len}).\n\n" + "\n".join(lines) +
+        f"\n\nLayer bytes resident (30 layers): full fp32 {bytes_full / 1e6:.1f} MB, Q4_1 {bytes_q41 / 1e6:.1f} MB, "
+        f"AWQ INT4 {bytes_awq / 1e6:.1f} MB.\n\nCommand: `{out['command']}` ({out['seconds']} s, commit {out.get('commit')}).\n")
+    print(f"[quality] {out['seconds']} s; wrote {path} and q4_1.md")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.eval_quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,8 +302,12 @@ def main(argv=None) -> int:
                     help="only the INT8 embedding / LM head's cost: perplexity with it full vs INT8 (lm_head.json)")
     ap.add_argument("--int4-activations", action="store_true",
                     help="only the INT4 decode kernel's int8 vs fp32 activations (int4_activations.json)")
+    ap.add_argument("--q4-1", action="store_true",
+                    help="only every layer on its Q4_1 fragment (the GGUF's own blocks) vs full precision (q4_1.json)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
+    if args.q4_1:
+        return q4_1_check(args, t0)
     if args.int4_activations:
         return activations_check(args, t0)
     if args.storage_check:

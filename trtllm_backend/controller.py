@@ -21,8 +21,10 @@ from dataclasses import dataclass, field, fields, replace
 
 
 # The morph policy names, shared by the controller and the Triton parameter validation. Besides these, the
-# static form `int4:N` quantizes N layers (swap order) at load and keeps them so.
-POLICY_NAMES = ("accuracy", "balanced", "performance", "full", "int4")
+# static form `int4:N` quantizes N layers (swap order) at load and keeps them so. `q4_1` binds every decoder layer
+# to its Q4_1 fragment at load (a GGUF's own 4-bit blocks: lossless against full where full is that GGUF
+# dequantized, engines/gguf_q4_1.py) and never morphs.
+POLICY_NAMES = ("accuracy", "balanced", "performance", "full", "int4", "q4_1")
 STATIC_INT4_FORM = re.compile(r"int4:(\d+)")
 # Decode slower than this share of the TPOT SLO, with requests waiting, is pressure: the margin lets a swap
 # land (staging, a few iterations) before the P95 crosses the SLO. 0.3 s under a 0.35 s SLO measured 1.19x
@@ -51,6 +53,8 @@ class MorphPolicy:
     name: str = "balanced"
     dynamic: bool = True
     static_int4_layers: int = 0  # static policies: layers quantized at load and kept so
+    # The precision a layer is bound to when it is not swapped down (Precision values): full, or q4_1 (policy q4_1).
+    base_precision: str = "full"
     layers_per_action: int = 2
     max_int4_layers: int = 20
     down_kv_usage: float = 0.90  # KV usage that, with requests waiting, means the KV cache is short
@@ -124,6 +128,8 @@ def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot
         policy = modes[spec]
     elif spec == "full":
         policy = MorphPolicy("full", dynamic=False, max_int4_layers=0)
+    elif spec == "q4_1":
+        policy = MorphPolicy("q4_1", dynamic=False, max_int4_layers=0, base_precision="q4_1")
     elif spec == "int4":
         policy = MorphPolicy("int4", dynamic=False, static_int4_layers=num_layers, max_int4_layers=num_layers)
     elif spec.startswith("int4:"):

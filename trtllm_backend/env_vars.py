@@ -119,7 +119,7 @@ METRICS_PORT = _var(
     "Triton's metrics port, the one Prometheus scrapes")
 POLICY = _var(
     "MORPHSERVE_POLICY", "balanced", "docker", "docker/compose.yaml",
-    "`--param morph_policy=` of the servers: `balanced`, `accuracy`, `performance`, `full`, `int4`, `int4:N`")
+    "`--param morph_policy=` of the servers: `balanced`, `accuracy`, `performance`, `full`, `int4`, `int4:N`, `q4_1`")
 MEMORY_BUDGET_BYTES = _var(
     "MORPHSERVE_MEMORY_BUDGET_BYTES", "", "docker", "docker/compose.yaml",
     "`--param memory_budget_bytes=`; unset: the full-precision model + base KV pool + one staging fragment")

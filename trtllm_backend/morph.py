@@ -133,7 +133,12 @@ class MorphManager:
         rebindable_head = self.head is not None and self.head.swappable  # tied (head.head_mode checked the set)
         self.head_unit = self.quantizable and self.head_mode == HEAD_DYNAMIC
         self.order: list[Unit] = m.unit_order() if self.head_unit else m.swap_order()
-        self.units: dict[Unit, SwapUnit] = {slot.index: LayerUnit(slot, self.store, m) for slot in self.slots}
+        # The layers' unswapped form: full, or every layer's Q4_1 fragment (policy q4_1).
+        self.base = Precision(self.policy.base_precision)
+        if self.base != Precision.FULL and not all(self.base in m.precisions(i) for i in range(m.num_layers)):
+            raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no {self.base} fragment for every "
+                                f"layer (build them with python -m engines.build_fragments --q4-1)")
+        self.units: dict[Unit, SwapUnit] = {slot.index: LayerUnit(slot, self.store, m, up=self.base) for slot in self.slots}
         if self.head_unit:
             self.units[HEAD_UNIT] = HeadUnit(self.head, self.store, m)
         # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
@@ -254,11 +259,15 @@ class MorphManager:
 
     # ---- accounting -----------------------------------------------------------------------------
     def _bind_at_load(self) -> None:
-        """Bind the configured INT8 head and a static policy's INT4 layers before any KV exists. NOTE: each
+        """Bind the configured INT8 head, the policy's base form of every layer where it is not full (q4_1) and a
+        static policy's INT4 layers before any KV exists. NOTE: each
         quantized form is read while its full form is still bound: the load peaks one fragment above the budget,
         which bounds what is resident from then on (and checks every allocation against it)."""
         if self.head_mode == HEAD_INT8:
             self.head.bind(self.store.load_head(Precision.INT8), Precision.INT8)
+        if self.base != Precision.FULL:  # not swaps: the form each layer is served in (and restored to)
+            for slot in self.slots:
+                slot.bind(self.store.load_layer(slot.index, self.base), self.base)
         for unit in self._candidates()[:self.policy.static_int4_layers]:
             self._bind(unit, self._load(unit, down=True), down=True)
             self.swapped.append(_Swapped(unit, None))

@@ -12,6 +12,10 @@ class Precision(StrEnum):
     FULL = "full"  # the checkpoint's weights (fp32 on disk; the compute or fp16 storage dtype when loaded)
     INT4 = "int4"  # AWQ, group-wise, what the morph manager swaps to
     INT8 = "int8"  # per-channel RTN, a middle rung built beside INT4
+    # A GGUF's own Q4_1 blocks kept exactly (fp16 scale and min per 32 weights), run by the INT4 kernels: lossless
+    # against FULL where FULL is that GGUF dequantized. Served by the static policy `q4_1`; not a morph rung (the
+    # AWQ INT4 fragments stand in for an FP16 model's INT4 form there).
+    Q4_1 = "q4_1"
 
 
 # EngineConfig.lm_head_precision's values (a tied embedding / LM head: its table bound full, INT8 at load, or morphed).

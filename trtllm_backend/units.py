@@ -42,8 +42,9 @@ class LayerUnit:
     kind = "layer"
     down = Precision.INT4
 
-    def __init__(self, slot: LayerSlot, store: FragmentStore, manifest: Manifest):
+    def __init__(self, slot: LayerSlot, store: FragmentStore, manifest: Manifest, up: Precision = Precision.FULL):
         self.slot, self.store, self.manifest = slot, store, manifest
+        self.up = up  # the unswapped form: full, or the GGUF's own Q4_1 blocks (policy q4_1)
         self.key = slot.index
         self.name = f"layer {slot.index}"
 
@@ -55,10 +56,10 @@ class LayerUnit:
         return self.manifest.fragment(self.key, Precision.INT4)["bytes"]
 
     def load(self, down: bool):
-        return self.store.load_layer(self.key, Precision.INT4 if down else Precision.FULL)
+        return self.store.load_layer(self.key, Precision.INT4 if down else self.up)
 
     def bind(self, weights, down: bool) -> str:
-        precision = Precision.INT4 if down else Precision.FULL
+        precision = Precision.INT4 if down else self.up
         self.slot.bind(weights, precision)
         return precision
 

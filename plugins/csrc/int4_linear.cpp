@@ -1,6 +1,7 @@
 // INT4 weight-only linear on AVX2 CPUs with fp32 activations: y[M, N] = x[M, K] @ W[N, K]^T, where
 // W = q * s + (z - 8 s) per group of G inputs (the portable fragment format of plugins/quant_matmul.py:
-// nibbles [N, K/2], element 2i in the high nibble; scale s and zero z in bf16).
+// nibbles [N, K/2], element 2i in the high nibble; scale s and zero z in bf16), or, for a GGUF's Q4_1 blocks
+// kept as they are, W = q * d + m with the block's fp16 scale d and min m (int4_pack given fp16 instead of bf16).
 //
 // Why this shape: decode reads every weight once per step, so the nibbles must be unpacked with as few
 // instructions as reading them costs. The first version (weights unpacked to fp32 and dequantized in
@@ -42,19 +43,22 @@ void check_portable(const at::Tensor& qweight, const at::Tensor& sz, int64_t G) 
               "int4_pack: contiguous uint8 qweight [N, K/2] expected");
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
   TORCH_CHECK(G > 0 && G % 8 == 0 && K % G == 0, "int4: group size ", G, " must be a multiple of 8 that divides K = ", K);
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3 && sz.size(0) == N &&
-                  sz.size(1) == K / G && sz.size(2) == 2,
-              "int4_pack: contiguous bf16 scales_zeros [N, K/G, 2] = [", N, ", ", K / G, ", 2] expected");
+  TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kHalf) && sz.is_contiguous() &&
+                  sz.dim() == 3 && sz.size(0) == N && sz.size(1) == K / G && sz.size(2) == 2,
+              "int4_pack: contiguous scales_zeros [N, K/G, 2] = [", N, ", ", K / G, ", 2] expected, bf16 (s, z) or "
+              "fp16 (Q4_1's d, m)");
 }
 
-// Portable nibbles and [N, K/G, 2] scales/zeros -> the kernel's blocks (rows past N are zero).
+// Portable nibbles and [N, K/G, 2] scales/zeros -> the kernel's blocks (rows past N are zero). bf16 (s, z): AWQ's
+// w = (q - 8) s + z; fp16 (d, m): Q4_1's w = q d + m. The 16-bit values are copied as they are either way, and the
+// empty second tensor returned carries the form (its dtype: check_packed).
 std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweight, const at::Tensor& sz, int64_t G) {
   check_portable(qweight, sz, G);
   const int64_t N = qweight.size(0), K = qweight.size(1) * 2, groups = K / G, blocks = (N + kLanes - 1) / kLanes;
   // Per block, per group: its G/8 chunks of 32 bytes, then 32 bytes of scales and zeros (Packed).
   at::Tensor packed = at::zeros({blocks, K / 8 + groups, kLanes * 4}, at::kByte);
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(sz.data_ptr());
   uint32_t* pq = reinterpret_cast<uint32_t*>(packed.data_ptr<uint8_t>());
   const Packed layout{pq, K, G, groups, blocks};
   for (int64_t n = 0; n < N; ++n) {
@@ -72,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> int4_pack(const at::Tensor& qweight, const at
       for (int t = 0; t < 2; ++t)
         const_cast<uint16_t*>(layout.block_affine(b, g))[t * kLanes + r] = s[(n * groups + g) * 2 + t];
   }
-  return {packed, at::empty({0}, at::kBFloat16)};  // the scales and zeros are inside `packed`
+  return {packed, at::empty({0}, sz.scalar_type())};  // the scales and zeros are inside `packed`
 }
 
 
@@ -108,7 +112,7 @@ inline void transpose8(const __m256 (&v)[8], __m256 (&out)[8]) {
 inline void store_row(float* out, __m256 row) { _mm256_storeu_ps(out, row); }
 inline void store_row(uint16_t* out, __m256 row) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bf16_round(row)); }
 
-// The weight [N, K] (w = q * s + (z - 8 s)) into `out`, fp32 or bf16 (rounded from the same fp32 values): the
+// The weight [N, K] (w = q * s + c, affine8) into `out`, fp32 or bf16 (rounded from the same fp32 values): the
 // prefill path's and the tests' reference. Each 8-input chunk of a block is 8 vectors of 8 rows, transposed to
 // 8 row pieces in registers (not a scalar scatter: the prefill path dequantizes a whole layer per chunk).
 template <typename Out>
@@ -118,9 +122,8 @@ void dequantize_into(const Packed& p, int64_t N, Out* out) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t rows = std::min<int64_t>(kLanes, N - b * kLanes);
       for (int64_t c = 0; c < K / 8; ++c) {
-        const uint16_t* a = p.block_affine(b, c * 8 / p.G);
-        const __m256 s = bf16x8(a), z = bf16x8(a + kLanes);
-        const __m256 off = _mm256_sub_ps(z, _mm256_mul_ps(_mm256_set1_ps(8.f), s));
+        __m256 s, off;  // Q4_1: fma(q, d, m) is gguf's fp32 d * q + m bit for bit (d * q is exact)
+        affine8(p, p.block_affine(b, c * 8 / p.G), s, off);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.word(b, c)));
         const __m256 w[8] = {_mm256_fmadd_ps(nibble<0>(v), s, off), _mm256_fmadd_ps(nibble<1>(v), s, off),
                              _mm256_fmadd_ps(nibble<2>(v), s, off), _mm256_fmadd_ps(nibble<3>(v), s, off),

@@ -46,6 +46,9 @@ inline bool int8_activations(int64_t K, int64_t G) {
 struct Packed {
   const uint32_t* q;
   int64_t K, G, groups, blocks;
+  // How a block's 8 affine words read (int4_pack chose it from the dtype it was given): false, AWQ's bf16 scale
+  // s and zero z with w = (q - 8) s + z; true, GGUF Q4_1's fp16 scale d and min m, kept exactly, with w = q d + m.
+  bool q4_1 = false;
   // Words of one block in one group: its G/8 chunks and its scales and zeros.
   int64_t block_group_words() const { return (G / 8 + 1) * kLanes; }
   // Group g's area in the tile of block b, and the blocks in that tile.
@@ -89,6 +92,20 @@ inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+inline __m256 fp16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// A block's group affine `a` (Packed::block_affine) as w = q * s + c for its 8 rows: AWQ's c = z - 8 s (the
+// expression the kernels always used), or Q4_1's d and m as they are (fp16 -> fp32 is exact).
+inline void affine8(const Packed& p, const uint16_t* a, __m256& s, __m256& c) {
+  if (p.q4_1) {
+    s = fp16x8(a);
+    c = fp16x8(a + kLanes);
+    return;
+  }
+  s = bf16x8(a);
+  c = _mm256_sub_ps(bf16x8(a + kLanes), _mm256_mul_ps(_mm256_set1_ps(8.f), s));
+}
+
 // Input j of the 8 rows in `v`, as floats 0..15.
 template <int J>
 inline __m256 nibble(__m256i v) {
@@ -122,14 +139,13 @@ inline void chunk_regs(const float* x, int64_t ldx, const __m256i* v, __m256 (&p
 #undef MS_STEP
 }
 
-// The group's scaling into the running totals: tot += part * s + sum(x_g) * (z - 8 s).
+// The group's scaling into the running totals: tot += part * s + sum(x_g) * c (affine8).
 template <int MT, int NB>
 inline void finish_group(const Packed& p, int64_t b0, int64_t g, const float* xsum, int64_t groups,
                          __m256 (&part)[MT][NB], float* tot, int64_t ldt) {
   for (int b = 0; b < NB; ++b) {
-    const uint16_t* a = p.block_affine(b0 + b, g);
-    const __m256 s = bf16x8(a), z = bf16x8(a + kLanes);
-    const __m256 c = _mm256_sub_ps(z, _mm256_mul_ps(_mm256_set1_ps(8.f), s));
+    __m256 s, c;
+    affine8(p, p.block_affine(b0 + b, g), s, c);
     for (int m = 0; m < MT; ++m) {
       float* t = tot + m * ldt + b * kLanes;
       __m256 acc = _mm256_fmadd_ps(part[m][b], s, _mm256_loadu_ps(t));
@@ -280,6 +296,14 @@ MS_AVX512_VNNI inline __m512 bf16x16(const uint16_t* a, const uint16_t* b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+// Two blocks' 8 fp16 values each, as bf16x16 does for bf16.
+MS_AVX512_VNNI inline __m512 fp16x16(const uint16_t* a, const uint16_t* b) {
+  const __m256i v = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_cvtph_ps(v);
+}
+
 // MT rows of int8 x against a full tile's 4 blocks, over all groups, into tot [MT, ldt]. Per group it forms the
 // same exact integer sums as group_q8 and applies the same fp32 operations per output in the same order
 // (convert, FMA with d, then finish_group's two FMAs), so the results are bitwise equal to the AVX2 path. The
@@ -333,10 +357,17 @@ MS_AVX512_VNNI inline void rows_q8_vnni(const Packed& p, int64_t b0, const int8_
         }
       }
     }
-    for (int z = 0; z < NZ; ++z) {  // finish_group, two blocks at a time: tot += part * s + sum(x_g) * (z - 8 s)
+    for (int z = 0; z < NZ; ++z) {  // finish_group, two blocks at a time: tot += part * s + sum(x_g) * c
       const uint16_t* a0 = p.block_affine(b0 + 2 * z, g);
       const uint16_t* a1 = p.block_affine(b0 + 2 * z + 1, g);
-      const __m512 s = bf16x16(a0, a1), c = _mm512_sub_ps(bf16x16(a0 + kLanes, a1 + kLanes), _mm512_mul_ps(eight, s));
+      __m512 s, c;  // as affine8, two blocks at a time
+      if (p.q4_1) {
+        s = fp16x16(a0, a1);
+        c = fp16x16(a0 + kLanes, a1 + kLanes);
+      } else {
+        s = bf16x16(a0, a1);
+        c = _mm512_sub_ps(bf16x16(a0 + kLanes, a1 + kLanes), _mm512_mul_ps(eight, s));
+      }
       for (int m = 0; m < MT; ++m) {
         total[m][z] = _mm512_fmadd_ps(part[m][z], s, total[m][z]);
         total[m][z] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * p.groups + g]), c, total[m][z]);
@@ -466,9 +497,13 @@ inline Packed check_packed(const at::Tensor& packed, const at::Tensor& affine, i
   const int64_t blocks = packed.size(0), groups = packed.size(1) / (G / 8 + 1), K = groups * G;
   TORCH_CHECK(N > (blocks - 1) * kLanes && N <= blocks * kLanes, "int4_linear: ", N, " output features do not fit ",
               blocks, " packed blocks of 8 rows");
-  TORCH_CHECK(affine.numel() == 0, "int4_linear: the scales and zeros are inside the packed weight (int4_pack gives "
-              "an empty second tensor), got a tensor of ", affine.sizes());
-  return Packed{reinterpret_cast<const uint32_t*>(packed.data_ptr<uint8_t>()), K, G, K / G, blocks};
+  TORCH_CHECK(affine.numel() == 0 && (affine.scalar_type() == at::kBFloat16 || affine.scalar_type() == at::kHalf),
+              "int4_linear: the scales and zeros are inside the packed weight (int4_pack gives an empty second "
+              "tensor, bf16 or fp16), got a ", affine.scalar_type(), " tensor of ", affine.sizes());
+  // NOTE: the empty tensor's dtype is the affine's form (bf16: AWQ's s and z; fp16: Q4_1's d and m): it travels
+  // with the packed weight through every op and the fused layer's arguments without a new argument anywhere.
+  return Packed{reinterpret_cast<const uint32_t*>(packed.data_ptr<uint8_t>()), K, G, K / G, blocks,
+                affine.scalar_type() == at::kHalf};
 }
 
 inline int64_t num_tiles(const Packed& p) { return (p.blocks + kTileBlocks - 1) / kTileBlocks; }

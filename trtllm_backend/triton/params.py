@@ -155,7 +155,8 @@ PARAMS: tuple[Param, ...] = (
           one_of("auto", "int8", "float32")),
     # Morphing (issue 4). Thresholds left empty keep the policy's own value.
     Param("morph_policy", "str", "balanced", "engine.morph_policy",
-          "accuracy / balanced / performance (dynamic), or static: full, int4 (every layer), int4:N.",
+          "accuracy / balanced / performance (dynamic), or static: full, int4 (every layer), int4:N, q4_1 (every "
+          "layer on its Q4_1 fragment: a GGUF's own 4-bit blocks, lossless against full; engines.build_fragments --q4-1).",
           Check(is_policy_spec, " / ".join((*POLICY_NAMES, "int4:N")))),
     Param("tpot_slo_s", "float", "0.35", "engine.tpot_slo_s",
           "The deployment's TPOT SLO in seconds: a dynamic policy also morphs when decode is slower than 0.85 of it "
