@@ -233,7 +233,10 @@ class LLMEngine:
                     self._publish_stats()
                     self._wake.wait(0.05)
                     self._wake.clear()
-                    self._morph_tick()  # idle iterations still let the controller restore layers
+                    # idle iterations still let the controller restore layers; a drain then moves cached
+                    # prefix blocks, copies into KV made under inference mode
+                    with torch.inference_mode():
+                        self._morph_tick()
                     continue
                 self.step()
             except Exception as exc:  # NOTE: a dead engine thread would leave every request hanging forever
