@@ -267,9 +267,10 @@ class MorphManager:
             self.head.bind(self.store.load_head(Precision.INT8), Precision.INT8)
         if self.base != Precision.FULL:  # not swaps: the form each layer is served in (and restored to)
             for slot in self.slots:
-                slot.bind(self.store.load_layer(slot.index, self.base), self.base)
+                layer = self.units[slot.index]
+                layer.bind(layer.load(down=False), down=False)
         for unit in self._candidates()[:self.policy.static_int4_layers]:
-            self._bind(unit, self._load(unit, down=True), down=True)
+            self.units[unit].bind(self.units[unit].load(down=True), down=True)
             self.swapped.append(_Swapped(unit, None))
             self.counters.swaps_down += 1
         self._refresh()
@@ -367,18 +368,10 @@ class MorphManager:
             return
         self._submit("down", unit, staged)
 
-    def _load(self, unit: Unit, down: bool):
-        """A unit's swapped-down or full form, read from its fragment (any thread)."""
-        return self.units[unit].load(down)
-
     def _submit(self, kind: str, unit: Unit, staged: int) -> None:
         fut = self.executor.submit(self.units[unit].load, kind == "down")
         self.job = _Job(kind, unit, fut, staged, self.clock())
         self._refresh()
-
-    def _bind(self, unit: Unit, weights, down: bool) -> str:
-        """Rebind a unit to its swapped-down or full form; returns the precision bound. The old form is dropped."""
-        return self.units[unit].bind(weights, down)
 
     def _finish_job(self) -> None:
         job, self.job = self.job, None
@@ -397,7 +390,7 @@ class MorphManager:
             return
         t0 = self.clock()
         if job.kind == "down":
-            precision = self._bind(job.unit, weights, down=True)
+            precision = self.units[job.unit].bind(weights, down=True)
             del weights  # the full fragment's memory goes back now (the slot held the only other reference)
             self._refresh()
             seg = self._grow_kv()
@@ -405,7 +398,7 @@ class MorphManager:
             self.counters.swaps_down += 1
             self.pending_down -= 1
         else:
-            precision = self._bind(job.unit, weights, down=False)
+            precision = self.units[job.unit].bind(weights, down=False)
             del weights
             self.swapped.pop()
             self.counters.swaps_up += 1
