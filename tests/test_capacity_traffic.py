@@ -33,7 +33,7 @@ def test_every_request_fits_its_bound(kind):
     reqs, _ = kind.requests(kind.start_rate_scale, 0)
     assert max(r.prompt_tokens + r.output_tokens for r in reqs) <= kind.max_tokens()
     # the short kinds fit the smallest pool mapped; conv-kv's requests hold real KV (docs/benchmarks.md)
-    assert kind.max_tokens() <= (640 if kind.name == "conv-kv" else 256)
+    assert kind.max_tokens() <= (640 if kind.name.startswith("conv-kv") else 256)
 
 
 def test_conv_kv_requests_hold_real_kv():
@@ -59,3 +59,22 @@ def test_unknown_kind_and_bad_rate():
         kinds("conv,chat")
     with pytest.raises(ValueError, match="rate scale must be > 0"):
         KINDS["conv"].shaping(0.0, 0)
+
+
+def test_the_hour_keeps_the_traces_rate_swings():
+    kind = KINDS["conv-kv-hour"]
+    if not repo_path(kind.trace).exists():
+        pytest.skip(f"{kind.trace} not present")
+    window = KINDS["conv-kv"]
+    same = ("prompt_scale", "prompt_clip", "output_scale", "output_clip")
+    assert [getattr(kind, f) for f in same] == [getattr(window, f) for f in same]  # conv-kv's requests, longer
+    reqs, shaping = kind.requests(kind.start_rate_scale, 0)
+    held = sorted(r.prompt_tokens + r.output_tokens for r in reqs)
+    assert 150 <= held[len(held) // 2] <= 400 and len(reqs) >= 200
+    minute = shaping.duration_s / 58.5  # one trace minute, played faster
+    per = [0] * 59
+    for r in reqs:
+        per[min(58, int(r.arrival_s // minute))] += 1
+    busiest = sum(per[26:36]) / 10
+    quietest = sum(per[47:57]) / 10
+    assert busiest >= 1.5 * quietest  # the peak survives the thinning (trace: ~455 vs ~250 a minute)

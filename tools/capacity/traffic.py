@@ -90,11 +90,18 @@ def _trace(path: str) -> list[TraceRequest]:
 # `conv-kv` is the same window with requests that hold real KV (docs/benchmarks.md): outputs x0.55 (median 92-116
 # over seeds 0-4, p90 ~235), prompts x0.1 (median ~105, clipped at 256 for 10%), so a request holds median
 # 250-300 tokens (p10 ~87, p90 ~350) and at most 640. It is the traffic KV capacity binds on, as in the paper.
+# `conv-kv-hour` is conv-kv's lengths over the whole trace hour, whose own rate swings 2.6x (191-507 requests a
+# minute, peak at minutes 26-36): the load a dynamic policy is meant for, where a static one pays its quality
+# loss on every token and the dynamic one only while the peak lasts (docs/capacity.md, "over an hour").
 KINDS = {
     "conv-kv": Traffic("conv-kv", f"{TRACES}/azure_llm_conv_2023.csv",
                        "Azure 2023 conversation trace, decode-heavy, requests holding real KV",
                        window_start_s=600.0, window_s=600.0, thin=0.075, prompt_scale=0.1, prompt_clip=(16, 256),
                        output_scale=0.55, output_clip=(8, 384), start_rate_scale=0.1),
+    "conv-kv-hour": Traffic("conv-kv-hour", f"{TRACES}/azure_llm_conv_2023.csv",
+                            "Azure 2023 conversation trace, the whole hour with its own rate swings, requests holding "
+                            "real KV", window_start_s=0.0, window_s=3510.0, thin=0.02, prompt_scale=0.1,
+                            prompt_clip=(16, 256), output_scale=0.55, output_clip=(8, 384), start_rate_scale=0.08),
     "conv": Traffic("conv", f"{TRACES}/azure_llm_conv_2023.csv", "Azure 2023 conversation trace, decode-heavy",
                     window_start_s=600.0, window_s=600.0, thin=0.075, prompt_scale=0.03, prompt_clip=(8, 128),
                     output_scale=0.125, output_clip=(4, 112), start_rate_scale=0.3),
