@@ -27,18 +27,13 @@ from dataclasses import dataclass, field, fields, replace
 POLICY_NAMES = ("accuracy", "balanced", "performance", "full", "int4", "q4_1")
 STATIC_INT4_FORM = re.compile(r"int4:(\d+)")
 # Decode slower than this share of the TPOT SLO, with requests waiting, is pressure: the margin lets a swap
-# land (staging, a few iterations) before the P95 crosses the SLO. 0.3 s under a 0.35 s SLO measured 1.19x
-# the KV-only controller's capacity (results/replay/capacity_pool256_tpot).
+# land (staging, a few iterations) before the P95 crosses the SLO (docs/architecture.md, "Why the thresholds").
 TPOT_PRESSURE_SHARE = 0.85
 # The head of the queue waiting longer than this share of the TTFT SLO is pressure (where a swap is faster): the
-# rest is left for the swaps to take effect and the queue to drain. At pool 2048 (conversation trace, seed 8, x0.9
-# of the trace's rate) `performance` met 48% of the SLOs with the trigger at 1 s and 99% at 0.5 s.
+# rest is left for the swaps to take effect and the queue to drain.
 TTFT_PRESSURE_SHARE = 0.25
-# The modes that take the queueing pressure from the TTFT SLO by default. It buys capacity with quality: at pool
-# 2048 performance served 1.62x full's rate (+4.4% perplexity at capacity), balanced 1.13x (+1.5%); at pool 256
-# balanced gained 1.1-1.2x over itself without it but its loss rose from +0.14% to +1.49%, past a fifth of static
-# INT4's (results/replay/capacity_queueing/notes.md). So only the mode that puts capacity first has it on; the
-# others take it from morph_down_ttft_s.
+# The modes that take the queueing pressure from the TTFT SLO by default: it buys capacity with quality, so only
+# the mode that puts capacity first has it on; the others take it from morph_down_ttft_s.
 QUEUEING_MODES = ("performance",)
 
 

@@ -448,12 +448,8 @@ class MorphManager:
         whose full fragment is already being staged still lands; the units after it stay swapped down.
         Why, while a KV segment drains: the draining segment takes no new blocks, so under load its blocks are not
         freed, and the wait shrinks the pool just when it is needed and keeps the manager busy, so it cannot swap
-        down either. Seen at pool 256: a restore begun in a lull held 76 of 92 blocks through a burst (9.9% SLO
-        attainment at x0.45, commit 252c32a).
-        Why, between units: where the pool is large the segments drain at once, and a 9-unit restore begun 4 s
-        after the last burst went on unit by unit (~0.17 s each) into the next one's onset while the queue grew
-        to 12, and the swaps down it then needed came 2 s late (code trace, pool 2048, seed 2, x0.1589, 58ed313:
-        33 TTFT misses in that burst, 79.9% SLO attainment)."""
+        down either. Why between units: a long restore begun in a lull runs into the next burst's onset and
+        delays the swaps down it needs (both seen in capacity runs: docs/architecture.md, "Why the thresholds")."""
         if self.restore_forced or not self.controller.policy.dynamic:
             return False
         why = self.controller.pressure(signals)
