@@ -45,14 +45,19 @@ def head_activations() -> str:
     return "int8" if _int8_activations else "float32"
 
 
+def resolve_head_activations(name: str) -> str:
+    """`auto`: int8 where the VNNI kernel runs, else float32; int8 and float32 as given."""
+    if name not in HEAD_ACTIVATIONS:
+        raise ValueError(f"lm_head_activations must be one of {list(HEAD_ACTIVATIONS)}, got {name!r}")
+    return "int8" if name == "int8" or (name == "auto" and q8_kernel_supported()) else "float32"
+
+
 def set_head_activations(name: str) -> str:
     """Process-wide: the INT8 table's linear activations (HEAD_ACTIVATIONS; auto: int8 where the VNNI kernel
     runs, else float32); returns the previous setting, resolved."""
     global _int8_activations
-    if name not in HEAD_ACTIVATIONS:
-        raise ValueError(f"lm_head_activations must be one of {list(HEAD_ACTIVATIONS)}, got {name!r}")
     previous = head_activations()
-    _int8_activations = name == "int8" or (name == "auto" and q8_kernel_supported())
+    _int8_activations = resolve_head_activations(name) == "int8"
     for table in list(_tables):
         table.hold_layout_for_activations()
     return previous

@@ -134,8 +134,7 @@ def _set_kernel_setting(what: str, table: dict[str, int], name: str, op: str) ->
     ops = cpu_kernels.ops()
     if ops is None:
         return name
-    previous = getattr(ops, op)(table[name])
-    return next(k for k, v in table.items() if v == previous)
+    return _name_of(table, getattr(ops, op)(table[name]))
 
 
 # Prefill chunks' path in the C++ INT4 kernel (plugins/csrc/int4_linear.cpp): dequantize and multiply with MKL
@@ -146,19 +145,41 @@ def _set_kernel_setting(what: str, table: dict[str, int], name: str, op: str) ->
 INT4_PREFILL = {"float32": 0, "bfloat16": 1, "decode": 2}
 
 
+def resolve_int4_prefill(name: str, activations: str) -> str:
+    """`auto`: `decode` where the CPU has AVX-512 VNNI and the decode kernel's activations are int8, else bfloat16
+    where the CPU has native bf16 dot products, else float32; any other name as given."""
+    if name != "auto":
+        if name not in INT4_PREFILL:
+            raise ValueError(f"int4_prefill must be one of {sorted(INT4_PREFILL)} or auto, got {name!r}")
+        return name
+    flags = cpu_kernels.cpu_flags() or set()
+    if activations == "int8" and cpu_kernels.ops() is not None and {"avx512_vnni", "avx512bw"} <= flags:
+        return "decode"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+
+
 def set_int4_prefill(name: str) -> str:
-    """Process-wide: the INT4 prefill path (INT4_PREFILL, or "auto": `decode` where the CPU has AVX-512 VNNI and
-    the decode kernel's activations are int8, else bfloat16 where the CPU has native bf16 dot products, else
-    float32); returns the previous setting. Set the activations first (the engine does). No-op without kernels."""
+    """Process-wide: the INT4 prefill path (INT4_PREFILL, or "auto": resolve_int4_prefill with the activations in
+    force); returns the previous setting. Set the activations first. No-op without kernels."""
     if name == "auto":
-        flags = cpu_kernels.cpu_flags() or set()
-        ops = cpu_kernels.ops()
-        int8 = ops is not None and ops.int4_activation_bits(0) == INT4_ACTIVATIONS["int8"]
-        if int8 and {"avx512_vnni", "avx512bw"} <= flags:
-            name = "decode"
-        else:
-            name = "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+        name = resolve_int4_prefill(name, int4_activations_in_force() or "float32")
     return _set_kernel_setting("int4_prefill", INT4_PREFILL, name, "int4_prefill_mode")
+
+
+def int4_activations_in_force() -> str | None:
+    """The INT4 decode kernel's activations in force; None without kernels."""
+    ops = cpu_kernels.ops()
+    return None if ops is None else _name_of(INT4_ACTIVATIONS, ops.int4_activation_bits(0))
+
+
+def int4_prefill_in_force() -> str | None:
+    """The INT4 prefill path in force; None without kernels."""
+    ops = cpu_kernels.ops()
+    return None if ops is None else _name_of(INT4_PREFILL, ops.int4_prefill_mode(-1))
+
+
+def _name_of(table: dict[str, int], code: int) -> str:
+    return next(k for k, v in table.items() if v == code)
 
 
 _decode_kernel_everywhere = False

@@ -37,16 +37,11 @@ def test_interleaving_refuses_policies_whose_suffix_sets_process_wide_kernel_set
 
 
 @pytest.mark.needs_model
-def test_prefill_ab_times_both_int4_prefill_paths_and_restores_the_setting():
-    from plugins import quant_matmul
-
+def test_prefill_ab_times_both_int4_prefill_paths_and_restores_the_engines_numerics():
     engine = bench_engine.make_engine(_args(policy=["int4"]), "int4")
-    before = quant_matmul.set_int4_prefill("float32")
-    try:
-        rows = bench_engine.prefill_ab(engine, reps=1, long=96, streams=3, short=40)
-        assert quant_matmul.set_int4_prefill("float32") == "float32"  # put back as found
-    finally:
-        quant_matmul.set_int4_prefill(before)
+    before = engine.numerics
+    rows = bench_engine.prefill_ab(engine, reps=1, long=96, streams=3, short=40)
+    assert engine.numerics == before and before.in_force() in (before, None)  # put back as found
     assert [r["prompts"] for r in rows] == ["1 x 96", "3 x 40"]
     assert rows[0]["tokens"] >= 90 and rows[1]["tokens"] >= 3 * 36  # re-encoded pieces may merge a token or two
     assert all(r["bfloat16_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)

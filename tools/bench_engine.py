@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,8 +35,7 @@ import torch.nn.functional as F
 from engines.build_fragments import default_fragment_dir
 from plugins import cpu_kernels, skinny_gemm
 from plugins import decode_layer as fused_decode
-from plugins.int8_linear import head_activations, q8_kernel_supported, set_head_activations
-from plugins.quant_matmul import set_int4_prefill
+from plugins.int8_linear import head_activations, q8_kernel_supported
 from plugins.read_bandwidth import floor_bandwidth
 from tools.replay.provenance import code_version, now_utc
 from trtllm_backend import huge_pages
@@ -160,13 +160,16 @@ def fused_switch():
     return use
 
 
-def use_avx512(flag: bool | None) -> None:
+def avx512_switch(engine: LLMEngine):
     """A: the kernels without AVX-512 (AVX2 INT4 tiles, the INT8 head on fp32 activations, 2-row dense tiles),
-    B: with it (VNNI INT4 tiles, the W8A8 head, 4-row dense tiles)."""
-    on = flag is None or flag
-    cpu_kernels.ops().int4_vnni(1 if on else 0)
-    cpu_kernels.ops().dense_wide_tile(1 if on else 0)
-    set_head_activations("auto" if on else "float32")
+    B: with it (VNNI INT4 tiles, the W8A8 head, 4-row dense tiles). The tile switches are process-wide; the head's
+    activations are the engine's numerics."""
+    def use(flag: bool | None) -> None:
+        on = flag is None or flag
+        cpu_kernels.ops().int4_vnni(1 if on else 0)
+        cpu_kernels.ops().dense_wide_tile(1 if on else 0)
+        engine.set_kernel_numerics(replace(engine.numerics, lm_head_activations="auto" if on else "float32"))
+    return use
 
 
 # The INT4 tiles' software prefetch distance as built (int4_tile.h), read once before any A/B moves it.
@@ -210,7 +213,7 @@ def prefill_ab(engine: LLMEngine, modes=("bfloat16", "decode"), reps: int = 5, l
     ids = engine.tokenizer.encode(PREFILL_TEXT)
     shapes = {f"1 x {long}": [engine.tokenizer.decode(ids[:long])],
               f"{streams} x {short}": [engine.tokenizer.decode(ids[i : i + short]) for i in range(streams)]}
-    previous = set_int4_prefill(modes[0])
+    previous = engine.set_kernel_numerics(replace(engine.numerics, int4_prefill=modes[0]))
     out = []
     try:
         for name, prompts in shapes.items():
@@ -218,7 +221,7 @@ def prefill_ab(engine: LLMEngine, modes=("bfloat16", "decode"), reps: int = 5, l
             times: dict[str, list[float]] = {m: [] for m in modes}
             for rep in range(reps + 1):
                 for m in modes:
-                    set_int4_prefill(m)
+                    engine.set_kernel_numerics(replace(engine.numerics, int4_prefill=m))
                     t = time.perf_counter()
                     for p in prompts:
                         engine.add_request(p, SamplingParams(max_tokens=1), lambda o: None)
@@ -227,7 +230,7 @@ def prefill_ab(engine: LLMEngine, modes=("bfloat16", "decode"), reps: int = 5, l
                         times[m].append(time.perf_counter() - t)
             out.append({"prompts": name, "tokens": tokens, **{f"{m}_tok_s": tokens / statistics.median(ts) for m, ts in times.items()}})
     finally:
-        set_int4_prefill(previous)
+        engine.set_kernel_numerics(previous)
     return out
 
 
@@ -252,8 +255,8 @@ def peak_rss() -> int:
 
 
 def make_engine(args, policy: str, huge_pages: bool = True) -> LLMEngine:
-    """An engine for `policy` (a morph policy with an optional @ suffix, see --policy), its process-wide kernel
-    settings applied; `huge_pages`: EngineConfig.huge_pages."""
+    """An engine for `policy` (a morph policy with an optional @ suffix, see --policy), its kernel settings
+    applied (@avx2's tile switches process-wide); `huge_pages`: EngineConfig.huge_pages."""
     morph_policy, _, suffix = policy.partition("@")
     options = [o for o in suffix.split(",") if o]
     unknown = set(options) - {"int8", "float32", "avx2"}
@@ -266,8 +269,8 @@ def make_engine(args, policy: str, huge_pages: bool = True) -> LLMEngine:
                                     kv_cache_dtype=args.kv_cache_dtype,
                                     int4_activations=activations, int4_prefill=args.int4_prefill,
                                     lm_head_activations="float32" if avx2 else "auto", huge_pages=huge_pages))
-    if cpu_kernels.ops() is not None:  # process-wide, like the settings above
-        use_avx512(not avx2)
+    if cpu_kernels.ops() is not None:
+        avx512_switch(engine)(not avx2)
     return engine
 
 
@@ -361,9 +364,9 @@ def interleaved_policies(args, rounds: int, steps: int = 8) -> dict:
     the read bandwidth measured before each round: the VM's drift, which made sequential runs read 1.56x and
     1.98x for the same batch-1 ratio, hits every policy alike. Per round the ratio of medians to the first
     policy; reported as the median round with the lowest and highest."""
-    if any("@" in p for p in args.policy):
-        raise SystemExit("--interleave: the @ suffixes set process-wide kernel settings, which engines taking turns "
-                         "would share; give plain policies")
+    if any("avx2" in p.partition("@")[2].split(",") for p in args.policy):
+        raise SystemExit("--interleave: @avx2 sets process-wide kernel settings (the tiles), which engines taking "
+                         "turns would share; the activations (@int8, @float32) are each engine's own")
     engines = {p: make_engine(args, p) for p in args.policy}
     first = args.policy[0]
     out = {"rounds": rounds, "steps_per_round": steps, "batches": []}
@@ -421,7 +424,7 @@ def bench_policy(args, policy: str) -> dict:
     engine = make_engine(args, policy)
     vnni = cpu_kernels.ops() is not None and bool(cpu_kernels.ops().int4_vnni(-1)) and q8_kernel_supported()  # the CPU has it
     dtype = engine.config.torch_dtype
-    print(f"[bench] policy={policy} int4 activations={engine.config.int4_activations} int4 prefill={engine.config.int4_prefill} "
+    print(f"[bench] policy={policy} int4 activations={engine.numerics.int4_activations} int4 prefill={engine.numerics.int4_prefill} "
           f"AVX-512 VNNI tiles={'yes' if vnni else 'no'} lm_head activations={head_activations()} "
           f"dtype={dtype} weights={engine.config.weight_torch_dtype} kv={engine.pool.dtype} threads={torch.get_num_threads()} "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
@@ -467,7 +470,7 @@ def bench_policy(args, policy: str) -> dict:
         rows["fused_ab"] = ab_table(engine, args.batches, fused_switch(), "fused decode A/B", "per_op", "fused",
                                     context=args.context)
     if args.avx512_ab and not avx2 and vnni:
-        rows["avx512_ab"] = ab_table(engine, args.batches, use_avx512, "AVX-512 A/B", "avx2", "avx512", steps=20,
+        rows["avx512_ab"] = ab_table(engine, args.batches, avx512_switch(engine), "AVX-512 A/B", "avx2", "avx512", steps=20,
                                      context=args.context)
     if args.prefetch_ab and morph_policy != "full" and cpu_kernels.ops() is not None:
         rows["prefetch_ab"] = ab_table(engine, args.batches, use_prefetch, "INT4 prefetch A/B", "no_prefetch",

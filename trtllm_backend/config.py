@@ -32,7 +32,7 @@ class EngineConfig:
     # float32 compute on the CPU halves the bytes a decode step reads (the C++ kernel widens them on load).
     weight_dtype: str = "auto"
     # Activations of the C++ INT4 decode kernel (plugins/quant_matmul.INT4_ACTIVATIONS): int8 (per-32 absmax,
-    # ~2x faster) or float32. Process-wide: the last engine built in a process sets it.
+    # ~2x faster) or float32. Each engine's own (trtllm_backend/kernel_numerics.py), as are the two below.
     int4_activations: str = "int8"
     # Storage of the paged KV cache; auto: the compute dtype. float16 beside float32 compute halves each block's
     # bytes (twice the tokens in the same memory, and in the memory a swapped layer frees) and what a decode
@@ -41,11 +41,11 @@ class EngineConfig:
     # Prefill chunks' path in INT4 layers (plugins/quant_matmul.INT4_PREFILL): decode (the decode tiles, 32 rows
     # at a time: the numerics of decode rows, faster than the bf16 GEMM on AVX-512 VNNI), bfloat16 inputs (fp32
     # accumulation; MKL's bf16 GEMM, ~4x faster with AVX512_BF16), float32, or auto (decode where the CPU has
-    # AVX-512 VNNI and int4_activations is int8, else bfloat16 where it has native bf16). Process-wide.
+    # AVX-512 VNNI and int4_activations is int8, else bfloat16 where it has native bf16).
     int4_prefill: str = "auto"
     # Activations of the INT8 LM head (plugins/int8_linear.HEAD_ACTIVATIONS) once that unit is morphed: int8 per
     # 64 inputs (W8A8, AVX-512 VNNI; ~2.5x faster at 16 rows, +0.10% perplexity), float32, or auto (int8 where
-    # the CPU runs the VNNI kernel). Process-wide.
+    # the CPU runs the VNNI kernel).
     lm_head_activations: str = "auto"
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
     # Bound on everything resident (weights, fragments being staged, KV), whichever policy runs. Default: the

@@ -15,8 +15,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from plugins.int8_linear import set_head_activations
-from plugins.quant_matmul import set_int4_activations, set_int4_prefill
 
 from . import huge_pages
 from .attention import AttentionPlan, SeqSlice
@@ -26,6 +24,7 @@ from .errors import InvalidRequest, QueueFull
 from .fragments import FragmentStore
 from .head import head_mode
 from .invariants import BlockChecker, binding_violations, head_violations, layer_bytes, memory_violations
+from .kernel_numerics import KernelNumerics
 from .kv_cache import KVPool
 from .logprobs import log_probs, pick
 from .manifest import Manifest
@@ -51,9 +50,8 @@ class LLMEngine:
         self.config = config
         pin_mmap_threshold()
         torch.set_num_threads(config.threads())
-        set_int4_activations(config.int4_activations)
-        set_int4_prefill(config.int4_prefill)
-        set_head_activations(config.lm_head_activations)
+        self.numerics = KernelNumerics(config.int4_activations, config.int4_prefill, config.lm_head_activations).resolved()
+        self.numerics.put_in_force()
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -67,8 +65,8 @@ class LLMEngine:
         self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages,
                            config.enable_prefix_caching)
         if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
-            log.warning("weights and KV stay on 4 KiB pages: %s (on the 2-core VM an all-INT4 batch-1 decode step "
-                        "ran 1.12x slower so: trtllm_backend/huge_pages.py)", why)
+            log.warning("weights and KV stay on 4 KiB pages: %s (decode steps are slower so: "
+                        "trtllm_backend/huge_pages.py)", why)
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
@@ -174,6 +172,13 @@ class LLMEngine:
             yield out
             if out.finished:
                 return
+
+    def set_kernel_numerics(self, numerics: KernelNumerics) -> KernelNumerics:
+        """This engine's kernel numerics from the next iteration on (benchmarks' A/B runs); returns the previous.
+        Call between iterations, from the thread that steps the engine."""
+        previous, self.numerics = self.numerics, numerics.resolved()
+        self.numerics.put_in_force()
+        return previous
 
     def run_until_idle(self) -> None:
         """Run iterations on the calling thread until every request is done (offline use, tests)."""
@@ -315,6 +320,7 @@ class LLMEngine:
     def step(self) -> None:
         """One iteration on the calling thread: take the requests added since the last one, advance morphing,
         schedule, run the model, sample and emit."""
+        self.numerics.put_in_force()
         self._drain_inbox()
         self._morph_tick()
         sched = self.scheduler.schedule(self.step_budget.tokens(self.scheduler.decode_rows()))
