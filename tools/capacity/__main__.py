@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overload", type=float, default=DEFAULT_FACTOR,
                     help="after each seed's searches, probe every policy at this multiple of full's capacity "
                          "(issue 12's overload targets; 0: not)")
+    ap.add_argument("--overload-only", action="store_true",
+                    help="search full's capacity alone (stored probes are reused), then probe every policy once at "
+                         "the --overload multiple of it: the overload comparison without the other searches")
     ap.add_argument("--repeat-nearest", type=int, default=0, metavar="K",
                     help="after each seed's search, run the probes either side of each capacity K more times "
                          "(the within-seed noise, in the report; capacities still come from the search alone)")
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
             plan = Plan(traffic, args.pools, [p.strip() for p in args.policies.split(",") if p.strip()],
                         args.seeds, out, dict(args.param), Slos(args.ttft_slo_s, args.tpot_slo_s), args.precision,
                         args.max_probes, args.force, args.progress, args.warm_bracket, args.overload or None,
-                        args.repeat_nearest)
+                        args.repeat_nearest, args.overload_only)
         except ValueError as exc:
             ap.error(str(exc))
         _remember(out, command)

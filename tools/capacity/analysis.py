@@ -66,6 +66,19 @@ def misses(records, slo: rm.Slo) -> dict[str, int]:
     return out
 
 
+def classes(records, slo: rm.Slo) -> dict[str, dict]:
+    """Per priority class (str(priority) -> its figures), where a probe sent more than one class; else {}.
+    A mixed kind's probe still passes or fails on all requests together (slo.attainment)."""
+    by: dict[int, list] = defaultdict(list)
+    for r in records:
+        by[getattr(r, "priority", 0)].append(r)
+    if len(by) < 2:
+        return {}
+    return {str(p): {"requests": len(rs), "attainment": sum(slo.met(r) for r in rs) / len(rs),
+                     "ttft_p95": rm.summarize(rs, slo).ttft.p95, "misses": misses(rs, slo)}
+            for p, rs in sorted(by.items())}
+
+
 def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
     """What one probe's run shows: attainment, latencies, the decode batch, KV use, INT4 layers, quality."""
     probe, res = store.load_result(path)
@@ -81,6 +94,8 @@ def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
     prompt = sum(r.prompt_tokens for r in ok)
     out = sum(len(r.token_s) for r in ok)
     ppl = rm.weighted_perplexity(res.records, quality) if quality else math.nan
+    sent_prompt = sum(r.prompt_tokens for r in res.records)
+    reused = _during(res.samples, "prefix_reused_tokens")  # nan where the probe predates the gauge
     return {
         "rate": probe["rate"], "attainment": probe["attainment"], "sensitivity": probe.get("sensitivity", {}),
         "requests": probe["requests"], "offered_req_s": probe["offered_req_s"],
@@ -101,6 +116,8 @@ def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
         "quality_loss": rm.quality_loss(ppl, quality) if quality and not math.isnan(ppl) else math.nan,
         "load_avg_1m": probe["load_avg_1m"], "started_utc": probe["started_utc"], "commit": probe["commit"],
         "dirty": probe.get("dirty", []), "unloaded_ttft_s": res.unloaded_ttft_s,
+        "prefix_reused_tokens": reused, "prefix_reused_share": reused / sent_prompt if sent_prompt else math.nan,
+        "classes": classes(res.records, slo),
     }
 
 

@@ -45,8 +45,9 @@ class Conversations:
             raise ValueError(f"interactive_share must be in [0, 1], got {self.interactive_share}")
 
     def turns(self, reqs: list[TraceRequest], seed: int) -> list[Turn]:
-        """Each request, in arrival order, continues a random open conversation or starts one (seeded)."""
-        rng = random.Random(seed)
+        """Each request, in arrival order, continues a random open conversation or starts one (seeded). The classes
+        are drawn from a stream of their own, so the mixed variant's conversations are the plain one's."""
+        rng, classes = random.Random(seed), random.Random(f"classes-{seed}")
         context: dict[int, int] = {}  # open conversation -> tokens of its prompt so far (messages and answers)
         count: dict[int, int] = {}
         priority: dict[int, int] = {}
@@ -60,7 +61,7 @@ class Conversations:
                 conv = len(count)
                 context[conv], count[conv] = 0, 0
                 share = self.interactive_share
-                priority[conv] = 0 if share is None else (INTERACTIVE if rng.random() < share else BATCH)
+                priority[conv] = 0 if share is None else (INTERACTIVE if classes.random() < share else BATCH)
             out.append(Turn(conv, count[conv], r.arrival_s, r.prompt_tokens, r.output_tokens, priority[conv]))
             context[conv] += r.prompt_tokens + r.output_tokens
             count[conv] += 1

@@ -28,8 +28,10 @@ from tools.replay.settings import DEFAULT_PARAMS
 BASE_PARAMS = {**DEFAULT_PARAMS, "max_queue_size": "1024"}
 
 
-# Policy variant names that set a server parameter of their own rather than a controller threshold.
-VARIANT_PARAMS = {"lm_head": "lm_head_precision"}
+# Policy variant names that set a server parameter of their own rather than a controller threshold, with the
+# values each takes (None: passed as given).
+VARIANT_PARAMS = {"lm_head": ("lm_head_precision", None),
+                  "prefix": ("enable_kv_cache_reuse", {"on": "true", "off": "false"})}
 # Parameters under which a server starts with more KV than the nominal pool (the INT8 head's freed bytes, or a
 # budget of its own): the pool is then checked against what each server reports at start, not by its number.
 KV_ENLARGING = {"lm_head_precision": "int8", "memory_budget_bytes": None}
@@ -65,14 +67,18 @@ def policy_params(policy: str) -> tuple[str, dict[str, str]]:
     its controller thresholds overridden (the server's morph_<name> parameters), measured as a policy of its own
     so a threshold change is compared with the stock policy on the same seeds, back to back. `+lm_head=full`
     sets the head's precision (VARIANT_PARAMS): `full+lm_head=full` is every weight at full precision, where
-    `full` binds the quality-neutral INT8 head like every policy by default."""
+    `full` binds the quality-neutral INT8 head like every policy by default. `+prefix=off` turns prefix caching
+    off (`enable_kv_cache_reuse=false`): capacity with and without reuse, at the same memory."""
     base, *overrides = policy.split("+")
     params = {}
     for o in overrides:
         name, sep, value = o.partition("=")
         if not sep or not name or not value:
             raise ValueError(f"policy {policy!r}: expected POLICY+NAME=VALUE[+NAME=VALUE], got {o!r}")
-        params[VARIANT_PARAMS.get(name, f"morph_{name}")] = value
+        param, values = VARIANT_PARAMS.get(name, (f"morph_{name}", None))
+        if values is not None and value not in values:
+            raise ValueError(f"policy {policy!r}: {name} takes {' or '.join(values)}, got {value!r}")
+        params[param] = value if values is None else values[value]
     return base, params
 
 
@@ -92,8 +98,11 @@ class Plan:
     warm_bracket: bool = False  # seeds after the first bracket around the previous capacity in precision steps
     overload: float | None = None  # then every policy at this multiple of full's capacity, per seed (overload.py)
     repeat_nearest: int = 0  # then each policy's probes either side of its capacity run this many times more
+    overload_only: bool = False  # search full alone, then probe every policy at the overload multiple of it
 
     def __post_init__(self):
+        if self.overload_only and (not self.overload or REFERENCE not in self.policies):
+            raise ValueError(f"overload only: needs --overload above 1 and {REFERENCE!r} among the policies")
         if self.repeat_nearest < 0:
             raise ValueError(f"repeat_nearest {self.repeat_nearest}: must be >= 0")
         if self.overload is not None and self.overload <= 1:
@@ -137,10 +146,11 @@ class Plan:
                     self._run_pool(traffic, pool, server, prompts, server_started)
 
     def _run_pool(self, traffic: Traffic, pool: int, server, prompts, server_started: dict | None = None) -> None:
-        start = {p: traffic.start_rate_scale for p in self.policies}
-        grow = {p: Bisection.grow for p in self.policies}
+        searched = [REFERENCE] if self.overload_only else self.policies
+        start = {p: traffic.start_rate_scale for p in searched}
+        grow = {p: Bisection.grow for p in searched}
         for seed in self.seeds:
-            searches = {p: Bisection(start[p], self.precision, grow[p], max_probes=self.max_probes) for p in self.policies}
+            searches = {p: Bisection(start[p], self.precision, grow[p], max_probes=self.max_probes) for p in searched}
             while not all(s.done for s in searches.values()):
                 for policy, search in searches.items():  # one step of each policy, back to back
                     rate = search.next_rate()

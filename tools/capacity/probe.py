@@ -13,7 +13,7 @@ from tools.replay.paths import REPO_ROOT
 from tools.replay.prompts import PromptSource
 from tools.replay.result import ReplayResult
 from tools.replay.runner import replay
-from tools.replay.workload import plan, probe_request
+from tools.replay.workload import probe_request
 
 # What the server runs: a change here (committed or not) changes what a probe measured.
 SERVED_PATHS = ("trtllm_backend", "model_repository", "plugins", "tools/replay", "tools/capacity")
@@ -30,9 +30,8 @@ def provenance() -> dict:
 
 def run_probe(traffic: Traffic, rate: float, seed: int, server, prompts: PromptSource, slos: Slos,
               progress: bool) -> tuple[ReplayResult, dict]:
-    reqs, shaping = traffic.requests(rate, seed)
-    planned = plan(reqs, prompts)
-    drain = slos.drain_s(max(r.output_tokens for r in reqs))
+    planned, shaping = traffic.planned(rate, seed, prompts)
+    drain = slos.drain_s(max(p.output_tokens for p in planned))
     started = datetime.now(timezone.utc)
     where = provenance()  # before the run: what the server was started from, not what HEAD became meanwhile
     load0 = os.getloadavg()
@@ -48,9 +47,9 @@ def run_probe(traffic: Traffic, rate: float, seed: int, server, prompts: PromptS
         "attainment": att,
         "sensitivity": {f"{f:g}": attainment(res.records, slos.scaled(f)) for f in SENSITIVITY},
         "slo": {"ttft_s": slos.ttft_s, "tpot_s": slos.tpot_s, "target_attainment": TARGET_ATTAINMENT},
-        "requests": len(reqs),
+        "requests": len(planned),
         "window_s": shaping.duration_s,
-        "offered_req_s": len(reqs) / shaping.duration_s,
+        "offered_req_s": len(planned) / shaping.duration_s,
         "drain_s": drain,
         "traffic_described": traffic.describe(),
         "workload": shaping.describe(),

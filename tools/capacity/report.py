@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.capacity import overload, plots, store
+from tools.capacity import classes, overload, plots, reuse, store
 from tools.capacity.analysis import REFERENCE, PolicyResult, RepeatedProbe, analyse, same_rate, within_seed_noise
 from tools.capacity.slo import SENSITIVITY, TARGET_ATTAINMENT
 from tools.capacity.stats import CONFIDENCE, Interval
@@ -245,6 +245,10 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
         lines += same_rate_table(same_rate(out, traffic, pool, quality))
         over_lines, over_data = overload_section(overload.pairs(out, traffic, pool, quality), traffic.startswith("conv"))
         lines += over_lines
+        reuse_lines, reuse_data = reuse.section(ordered)
+        lines += reuse_lines
+        class_lines, class_data = classes.section(classes.rows(out, traffic, pool, cell, quality))
+        lines += class_lines
         noise_lines, noise_data = noise_section(within_seed_noise(out, traffic, pool))
         lines += noise_lines
         name = f"{traffic}_pool{pool}"
@@ -264,9 +268,12 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
                 lines += [f"![{policy} timeline]({png})", ""]
         cells.append({"traffic": traffic, "pool_tokens": pool, "memory_budget_bytes": budget,
                       "policies": {p: {**r.as_dict(), "kv_tokens_start": _mean(r.at_capacity, "kv_tokens_start"),
-                                       "kv_tokens_peak": _mean(r.at_capacity, "kv_tokens_peak")}
+                                       "kv_tokens_peak": _mean(r.at_capacity, "kv_tokens_peak"),
+                                       "prefix_reused_share": _mean(r.at_capacity, "prefix_reused_share")}
                                    for p, r in ordered.items()},
                       **({"overload": over_data} if over_data else {}),
+                      **({"prefix_reuse": reuse_data} if reuse_data else {}),
+                      **({"priority_classes": class_data} if class_data else {}),
                       **({"within_seed_noise": noise_data} if noise_data else {})})
     pools = {pool for _, pool in result}
     if len(pools) > 1:

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tools.capacity.conversations import Conversations, plan_turns
+from tools.replay.client import Planned
 from tools.replay.paths import repo_path
 from tools.replay.traces import Shaping, TraceRequest, read_trace
+from tools.replay.workload import plan
 
 TRACES = "../shared/data/traces"
 
+
+# A turn's prompt joins its conversation's messages and answers with newlines, and BPE merges at the joins: its
+# tokens may pass the context its conversation counted by a few (<= 5 over seeds 0-2 of chat-kv).
+CHAT_SLACK = 16
 
 # How `Traffic.variant` names a thinned variant of a kind (e.g. conv-thin0.0375).
 VARIANT_MARK = "-thin"
@@ -33,6 +40,8 @@ class Traffic:
     output_clip: tuple[int, int]
     start_rate_scale: float  # where a search starts (a guess; bisection does the rest)
     min_requests: int = 200
+    # Multi-turn: the requests dealt into conversations (seeded), each turn resending the conversation so far.
+    conversations: Conversations | None = None
 
     def shaping(self, rate_scale: float, seed: int) -> Shaping:
         if rate_scale <= 0:
@@ -48,9 +57,24 @@ class Traffic:
                              f"{self.min_requests}; raise `thin` or the window")
         return reqs, shaping
 
+    def planned(self, rate_scale: float, seed: int, prompts) -> tuple[list[Planned], Shaping]:
+        """What a probe sends: one request per trace request, with its prompt (`prompts`: PromptSource); a
+        multi-turn kind deals them into conversations first, by the same seed, so the turns, their text and their
+        priorities do not depend on the rate scale either."""
+        reqs, shaping = self.requests(rate_scale, seed)
+        if self.conversations is None:
+            return plan(reqs, prompts), shaping
+        out = plan_turns(self.conversations.turns(reqs, seed), prompts)
+        big = max(p.prompt_tokens + p.output_tokens for p in out)
+        if big > self.max_tokens():
+            raise ValueError(f"traffic {self.name!r} seed {seed}: a turn holds {big} tokens, more than the "
+                             f"{self.max_tokens()} its pools are checked against; raise CHAT_SLACK")
+        return out, shaping
+
     def max_tokens(self) -> int:
-        """The most KV tokens one request can hold (its clipped prompt and output)."""
-        return self.prompt_clip[1] + self.output_clip[1]
+        """The most KV tokens one request can hold (its clipped prompt and output; a turn: its context)."""
+        one = self.prompt_clip[1] + self.output_clip[1]
+        return one if self.conversations is None else max(one, self.conversations.max_context_tokens + CHAT_SLACK)
 
     @staticmethod
     def is_variant(name: str) -> bool:
@@ -65,11 +89,12 @@ class Traffic:
         return replace(self, name=f"{self.name}{VARIANT_MARK}{thin:g}", thin=thin, min_requests=min_requests)
 
     def describe(self) -> str:
+        chat = "" if self.conversations is None else f"; {self.conversations.describe()}"
         return (f"{self.name}: {self.what}; at least {self.min_requests} requests per probe; {self.trace} window [{self.window_start_s:g} s, "
                 f"{self.window_start_s + self.window_s:g} s), thinned x{self.thin:g} (seeded), played x(rate scale / "
                 f"{self.thin:g}) faster; prompt tokens x{self.prompt_scale:g} clipped to {self.prompt_clip[0]}:"
                 f"{self.prompt_clip[1]}, output tokens x{self.output_scale:g} clipped to {self.output_clip[0]}:"
-                f"{self.output_clip[1]}")
+                f"{self.output_clip[1]}{chat}")
 
 
 _TRACE_CACHE: dict[str, list[TraceRequest]] = {}
@@ -109,6 +134,19 @@ KINDS = {
                     window_start_s=2160.0, window_s=150.0, thin=0.33, prompt_scale=0.05, prompt_clip=(16, 128),
                     output_scale=1.0, output_clip=(4, 64), start_rate_scale=0.5),
 }
+
+# `chat-kv` is conv-kv's requests dealt into conversations (tools/capacity/conversations.py): a request starts one
+# with probability 1/4, else continues a random open one, and a turn resends the conversation so far (up to 1024
+# tokens with its output), so a turn holds median ~430 tokens (p90 ~900; conv-kv ~280) and most of its prompt is
+# a prefix an earlier turn prefilled: the traffic prefix reuse can pay on. `chat-kv-mixed` gives 20% of the
+# conversations priority 0 (interactive) and the rest 5 (batch); its probes pass on all requests' attainment, as
+# every kind's, with each class's beside it in the report.
+CHAT = Conversations(mean_turns=4.0, max_context_tokens=1024)
+KINDS["chat-kv"] = replace(KINDS["conv-kv"], name="chat-kv", start_rate_scale=0.05, conversations=CHAT,
+                           what="conv-kv's requests as the turns of multi-turn chats, each resending its history")
+KINDS["chat-kv-mixed"] = replace(KINDS["chat-kv"], name="chat-kv-mixed",
+                                 conversations=replace(CHAT, interactive_share=0.2),
+                                 what="chat-kv with 20% of the conversations interactive, the rest batch")
 
 
 def kinds(names: str) -> list[Traffic]:

@@ -40,6 +40,7 @@ class RequestRecord:
     int4_layers: list[int] = field(default_factory=list)  # one entry per generated token
     status: str = "pending"  # ok | error | rejected | unfinished
     error: str = ""
+    priority: int = 0  # as sent (Planned.priority): reports split attainment by class
 
     @property
     def output_tokens(self) -> int:

@@ -35,7 +35,8 @@ async def run_window(planned: list[Planned], target, metrics_url: str | None, wi
                      drain_s: float, progress: bool, probe: Planned | None, probes: int) -> ReplayResult:
     unloaded = await probe_ttft(target, probe, probes) if probe is not None and probes else []
     clock = Clock()
-    records = [RequestRecord(p.index, p.arrival_s, p.prompt_tokens, p.output_tokens) for p in planned]
+    records = [RequestRecord(p.index, p.arrival_s, p.prompt_tokens, p.output_tokens, priority=p.priority)
+               for p in planned]
     stop = asyncio.Event()
     sampler = MetricsSampler(metrics_url, clock) if metrics_url else None
     sampling = asyncio.create_task(sampler.run(stop)) if sampler else None

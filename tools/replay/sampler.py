@@ -20,6 +20,7 @@ GAUGES = {
     "swaps_down": ("morphserve_layer_swaps_total", {"direction": "down"}),
     "memory_budget": ("morphserve_memory_bytes", {"type": "budget"}),
     "memory_used": ("morphserve_memory_bytes", {"type": "used"}),
+    "prefix_reused_tokens": ("morphserve_prefix_cache_reused_tokens_total", {}),
 }
 
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
