@@ -9,6 +9,8 @@
 - `morphserve::rms_norm`, `add_rms_norm`, `silu_mul`, `rope_heads` (layer_elementwise.cpp): a layer's row-wise
   ops (plugins/elementwise.py).
 - `morphserve::argmax_rows` (argmax_rows.cpp): greedy sampling's argmax per row (plugins/argmax.py).
+- `morphserve::apply_token_bitmask_` (token_bitmask.cpp): structured outputs' allowed-token masks applied to the
+  logits in place (plugins/token_bitmask.py).
 - `morphserve::read_stream` (read_stream.cpp): a plain streaming read, the read-bandwidth floor's best method
   (plugins/read_bandwidth.py).
 - `morphserve::decode_layers` (decode_layer.cpp): the decoder layers of a pure decode step in one call, one
@@ -36,7 +38,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp",
            CSRC / "layer_elementwise.cpp", CSRC / "decode_layer.cpp",
            CSRC / "int8_linear.cpp", CSRC / "int8_linear_q8.cpp",
-           CSRC / "argmax_rows.cpp", CSRC / "read_stream.cpp"]
+           CSRC / "argmax_rows.cpp", CSRC / "read_stream.cpp", CSRC / "token_bitmask.cpp"]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY_NAME = "morphserve_kernels"
 _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)

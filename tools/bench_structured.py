@@ -7,10 +7,11 @@
    sys.path, for an install kept out of the venv: xgrammar pulls the GPU compiler `triton`): `--batch` matchers
    of one JSON schema walk the tokens of a valid document; each step fills every row's allowed-token mask and
    advances the matchers (`fill_ms`, the library's own share: median per step), and the schema's compile time.
-   For llguidance also `step_ms`: the engine's whole masking path (fill, unpack, apply to [batch, vocab] logits).
-2. The engine, A/B in turns: `--batch` requests decoding together, unconstrained, then the same prompts under the
-   schema (the project's llguidance path), `--rounds` times; median decode step time of each, their ratio, and
-   the masking's share of each constrained step measured inside that step (robust to a loaded machine).
+   For llguidance also `step_ms`: the engine's whole masking path (fill, apply to [batch, vocab] logits).
+2. The engine, A/B step by step: two twin engines, each with `--batch` requests of the same prompt, one
+   unconstrained, one under the schema (the project's llguidance path), stepped in turn, `--rounds` times;
+   median decode step time of each, their ratio (of the medians, and the median of the ratios of neighbouring
+   steps), and the masking's share of each constrained step measured inside that step.
 """
 from __future__ import annotations
 
@@ -112,19 +113,20 @@ def bench_xgrammar(vocab_bytes: list[bytes], eos: list[int], ids: list[int], bat
     return {"compile_ms": round(compile_s * 1e3, 2), "fill_ms": _median_ms(fills)}
 
 
-def engine_ab(engine, batch: int, rounds: int, max_tokens: int) -> dict:
-    """Median decode step (ms) of `batch` requests unconstrained and under SCHEMA, in turns; and, within each
-    constrained step, the time its masking took (fill + unpack + apply + advance) as a share of that same step
-    (a ratio taken step by step, so the machine's load hits both parts alike)."""
+def engine_ab(engines: dict, batch: int, rounds: int, max_tokens: int) -> dict:
+    """Decode steps of `batch` requests, unconstrained on one engine and under SCHEMA on a twin, stepped in turn
+    (which goes first alternates), so both see the same load; and, within each constrained step, the time its
+    masking took (fill + apply + advance) as a share of that same step."""
     import trtllm_backend.engine as engine_module
     from trtllm_backend.sampling import SamplingParams
     from trtllm_backend.structured import Guide
 
-    prompt = engine.tokenizer.chat_prompt(PROMPT)
-    times: dict[str, list[float]] = {"free": [], "json_schema": []}
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    paired: list[float] = []
     shares: list[float] = []
     masking = [0.0]
-    step, apply, advance = engine.step, engine._masks.apply, engine_module.advance
+    guided = engines["json_schema"]
+    apply, advance = guided._masks.apply, engine_module.advance
 
     def timed_apply(*a):
         t = time.perf_counter()
@@ -136,35 +138,50 @@ def engine_ab(engine, batch: int, rounds: int, max_tokens: int) -> dict:
         advance(*a)
         masking[0] += time.perf_counter() - t
 
-    def timed(kind: str):
-        def run():
-            decoding = all(r.num_computed == r.num_tokens - 1 for r in engine.scheduler.running)
-            masking[0] = 0.0
-            t = time.perf_counter()
-            step()
-            took = time.perf_counter() - t
-            if decoding and len(engine.scheduler.running) == batch:
-                times[kind].append(took)
-                if kind == "json_schema":
-                    shares.append(masking[0] / took)
-        return run
+    def step(kind: str) -> float | None:
+        """One iteration of `kind`'s engine; its time when it was a decode step of the whole batch."""
+        engine = engines[kind]
+        decoding = all(r.num_computed == r.num_tokens - 1 for r in engine.scheduler.running)
+        full = decoding and len(engine.scheduler.running) == batch
+        masking[0] = 0.0
+        t = time.perf_counter()
+        engine.step()
+        took = time.perf_counter() - t
+        if not full:
+            return None
+        times[kind].append(took)
+        if kind == "json_schema":
+            shares.append(masking[0] / took)
+        return took
 
-    engine._masks.apply, engine_module.advance = timed_apply, timed_advance
+    guided._masks.apply, engine_module.advance = timed_apply, timed_advance
     try:
         for _ in range(rounds):
-            for kind in times:
+            for kind, engine in engines.items():
                 guide = Guide("json_schema", json.dumps(SCHEMA)) if kind == "json_schema" else None
+                prompt = engine.tokenizer.chat_prompt(PROMPT)
                 for i in range(batch):
                     engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, guide=guide),
                                        lambda o: None)
-                engine.step = timed(kind)
-                engine.run_until_idle()
-                engine.step = step
+            turn = 0
+            while True:
+                live = []
+                for kind, engine in engines.items():
+                    engine._drain_inbox()
+                    if engine.scheduler.has_work():
+                        live.append(kind)
+                if not live:
+                    break
+                took = {kind: step(kind) for kind in (live if turn % 2 == 0 else live[::-1])}
+                turn += 1
+                if took.get("free") and took.get("json_schema"):
+                    paired.append(took["json_schema"] / took["free"])
     finally:
-        engine._masks.apply, engine_module.advance = apply, advance
-    free, guided = _median_ms(times["free"]), _median_ms(times["json_schema"])
-    return {"free_step_ms": free, "json_schema_step_ms": guided, "steps": {k: len(v) for k, v in times.items()},
-            "step_ratio": round(guided / free, 4),
+        guided._masks.apply, engine_module.advance = apply, advance
+    free, constrained = _median_ms(times["free"]), _median_ms(times["json_schema"])
+    return {"free_step_ms": free, "json_schema_step_ms": constrained, "steps": {k: len(v) for k, v in times.items()},
+            "step_ratio": round(constrained / free, 4),
+            "paired_step_ratio": {"median": round(statistics.median(paired), 4), "pairs": len(paired)},
             "masking_share_of_step": {"median": round(statistics.median(shares), 4),
                                       "p90": round(sorted(shares)[int(0.9 * (len(shares) - 1))], 4)}}
 
@@ -184,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     from trtllm_backend.engine import LLMEngine
     from trtllm_backend.openai.tokens import TokenTexts
 
-    engine = LLMEngine(EngineConfig(fragment_dir=str(default_fragment_dir()), morph_policy="full",
-                                    weight_dtype="float16", kv_cache_dtype="float16", prefill_chunk_tpot_share=0.0))
+    config = EngineConfig(fragment_dir=str(default_fragment_dir()), morph_policy="full", weight_dtype="float16",
+                          kv_cache_dtype="float16", prefill_chunk_tpot_share=0.0)
+    engines = {"free": LLMEngine(config), "json_schema": LLMEngine(config)}  # NOTE: twins, stepped in turn
+    engine = engines["json_schema"]
     vocab = engine.manifest.config.vocab_size
     eos = sorted(engine.tokenizer.eos_token_ids)
     texts = TokenTexts.from_fragments(engine.config.fragment_dir)
@@ -200,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         result["libraries"]["xgrammar"] = f"not importable: {exc}"
     print(json.dumps(result["libraries"], indent=1), flush=True)
-    result["engine"] = engine_ab(engine, args.batch, args.rounds, args.max_tokens)
+    result["engine"] = engine_ab(engines, args.batch, args.rounds, args.max_tokens)
     words = list(argv if argv is not None else sys.argv[1:])
     if args.xgrammar_path:  # NOTE: the folder is this machine's; the record names only its role
         words = ["DIR" if w == str(args.xgrammar_path) else w for w in words]
