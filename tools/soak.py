@@ -38,6 +38,7 @@ import tritonclient.grpc as grpcclient
 from tools.capacity.stats import t_quantile
 from tools.replay.provenance import code_version, commit_phrase, now_utc
 from trtllm_backend.openmp_env import with_openmp_defaults
+from trtllm_backend.triton.params import parse_assignment
 from trtllm_backend.triton.server import ServerHandle, free_ports, launch
 
 MODEL = "smollm2"
@@ -316,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=180.0, help="a request with no final response by then is lost")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/reliability")
+    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                    help="server parameter, over the soak's own (e.g. num_threads=1 for a server given one core)")
     args = ap.parse_args(argv)
+    params = SERVER_PARAMS | {"morph_policy": args.policy} | dict(parse_assignment(a) for a in args.param)
     run = code_version() | {"started_utc": now_utc(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path("build") / "soak_server.log"  # NOTE: not beside the results: it names this machine's paths
     log.parent.mkdir(exist_ok=True)
     handle = launch(http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=log,
-                    params=SERVER_PARAMS | {"morph_policy": args.policy})
+                    params=params)
     try:
         one_request(handle.grpc_url, "ok", random.Random(0), Tally(), 120)  # warm: first-call costs
         capacity = None
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m tools.soak " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "seconds": seconds, "warmup_s": warmup, "policy": args.policy, "capacity_req_s": capacity,
-        "rate_req_s": rate, "overload": args.overload if capacity else None, "server_params": SERVER_PARAMS,
+        "rate_req_s": rate, "overload": args.overload if capacity else None, "server_params": params,
         "requests": {k: getattr(tally, k) for k in ("sent", "completed", "rejected", "errored", "cancelled", "lost",
                                                     "unexpected_errors")} | {"unaccounted": tally.sent - accounted},
         "before": before, "after": after, "rss_growth_after_warmup": growth, "rss_slope": slope,

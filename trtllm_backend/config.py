@@ -1,4 +1,5 @@
-"""Engine configuration: one dataclass, checked at construction, KV sizing computed in one place."""
+"""Engine configuration: one dataclass, its fields grouped by concern (the model and the machine, batching, the
+KV cache and memory, kernel numerics, morphing, SLOs, checks), checked at construction."""
 from __future__ import annotations
 
 import os
@@ -16,28 +17,49 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)  # keyword-only: the fields are grouped by concern, not by age
 class EngineConfig:
+    # ---- The model and the machine
     fragment_dir: str
-    block_size: int = 16
-    max_batch_size: int = 32
-    max_num_tokens: int = 512  # tokens computed per iteration (prefill is chunked to fit)
-    max_tokens_in_paged_kv_cache: int = 8192  # the KV pool at full precision, in tokens
-    max_queue_size: int = 256
-    max_model_len: int | None = None  # default: the model's context length
-    num_threads: int | None = None  # default: all cores
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU (measured fastest here), fp16 on CUDA
     # Storage of the full-precision weights (layers, embedding, LM head); auto: the dtype above. float16 with
     # float32 compute on the CPU halves the bytes a decode step reads (the C++ kernel widens them on load).
     weight_dtype: str = "auto"
-    # Activations of the C++ INT4 decode kernel (plugins/quant_matmul.INT4_ACTIVATIONS): int8 (per-32 absmax,
-    # ~2x faster) or float32. Each engine's own (trtllm_backend/kernel_numerics.py), as are the two below.
-    int4_activations: str = "int8"
+    num_threads: int | None = None  # default: all cores
+    # Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer TLB
+    # misses as a step streams the weights (trtllm_backend/huge_pages.py has the measurement).
+    huge_pages: bool = True
+
+    # ---- Batching and the queue
+    max_batch_size: int = 32
+    max_num_tokens: int = 512  # tokens computed per iteration (prefill is chunked to fit)
+    max_queue_size: int = 256
+    max_model_len: int | None = None  # default: the model's context length
+    # A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from the
+    # measured cost of a token (trtllm_backend/step_budget.py). 0: every step may fill max_num_tokens.
+    prefill_chunk_tpot_share: float = 0.5
+
+    # ---- The KV cache and the memory budget
+    block_size: int = 16
+    max_tokens_in_paged_kv_cache: int = 8192  # the KV pool at full precision, in tokens
     # Storage of the paged KV cache; auto: the compute dtype. float16 beside float32 compute halves each block's
     # bytes (twice the tokens in the same memory, and in the memory a swapped layer frees) and what a decode
     # step's attention reads; K/V are rounded to fp16 when written and widened exactly when read.
     kv_cache_dtype: str = "auto"
+    # Bound on everything resident (weights, fragments being staged, KV), whichever policy runs. Default: the
+    # full-precision model plus max_tokens_in_paged_kv_cache tokens of KV. Every byte a policy does not spend on
+    # weights is KV, except a dynamic policy's staging reserve, which comes out of the budget (not on top of it).
+    memory_budget_bytes: int | None = None
+    # Automatic prefix caching (trtllm_backend/prefix_cache.py): full KV blocks are cached by their tokens and
+    # everything before them, and a request reuses the longest cached prefix instead of prefilling it. On by
+    # default (as vLLM and TensorRT-LLM users expect): KV is reused only under the weights that computed it.
+    enable_prefix_caching: bool = True
+
+    # ---- Kernel numerics (each engine's own: trtllm_backend/kernel_numerics.py)
+    # Activations of the C++ INT4 decode kernel (plugins/quant_matmul.INT4_ACTIVATIONS): int8 (per-32 absmax,
+    # ~2x faster) or float32.
+    int4_activations: str = "int8"
     # Prefill chunks' path in INT4 layers (plugins/quant_matmul.INT4_PREFILL): decode (the decode tiles, 32 rows
     # at a time: the numerics of decode rows, faster than the bf16 GEMM on AVX-512 VNNI), bfloat16 inputs (fp32
     # accumulation; MKL's bf16 GEMM, ~4x faster with AVX512_BF16), float32, or auto (decode where the CPU has
@@ -47,16 +69,23 @@ class EngineConfig:
     # 64 inputs (W8A8, AVX-512 VNNI; ~2.5x faster at 16 rows, +0.10% perplexity), float32, or auto (int8 where
     # the CPU runs the VNNI kernel).
     lm_head_activations: str = "auto"
+
+    # ---- Morphing
     morph_policy: str = "balanced"  # accuracy | balanced | performance | full | int4 | int4:N
-    # Bound on everything resident (weights, fragments being staged, KV), whichever policy runs. Default: the
-    # full-precision model plus max_tokens_in_paged_kv_cache tokens of KV. Every byte a policy does not spend on
-    # weights is KV, except a dynamic policy's staging reserve, which comes out of the budget (not on top of it).
-    memory_budget_bytes: int | None = None
     # The tied embedding / LM head: full; int8 (its INT8 fragment bound at load whatever the policy: quality-neutral,
     # results/quality/quality.json, and its freed bytes are KV); or dynamic (a morph unit swapped like a layer: a
     # dynamic policy then keeps room to stage the INT8 table, ~13x an INT4 layer's).
     lm_head_precision: str = "full"
     morph_overrides: dict = field(default_factory=dict)  # threshold name -> value (see controller.MorphPolicy)
+    # The request priorities whose queue drives morphing (SamplingParams.priority, lower is more important): the
+    # controller sees the waiting requests and preemptions of priorities <= this; less important ones are
+    # served with what those leave. Default: every class.
+    morph_priority_cutoff: int = PRIORITY_MAX
+    # Morph actions at given engine iterations, "down:K@ITER,up:K@ITER" (benchmarks, tests): they run whatever
+    # the policy, after any action in flight. Empty: the MORPHSERVE_FORCE_MORPH environment variable (a test hook).
+    force_morph: str = ""
+
+    # ---- The deployment's SLOs (they drive morphing and the prefill chunk size)
     # The deployment's TPOT SLO in seconds (0: none). A dynamic policy then also morphs when decode is slow with
     # requests waiting (controller.TPOT_PRESSURE_SHARE of it), where INT4 was measured faster at load. The
     # default is the SLO the capacity reports hold this CPU to (tools/capacity/slo.py).
@@ -66,27 +95,11 @@ class EngineConfig:
     # cache not short (the step, not the memory, is the limit), where INT4 was measured faster at load; the other
     # dynamic policies with morph_down_ttft_s set. Default: the capacity reports' SLO.
     ttft_slo_s: float = 2.0
-    # A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from the
-    # measured cost of a token (trtllm_backend/step_budget.py). 0: every step may fill max_num_tokens.
-    prefill_chunk_tpot_share: float = 0.5
-    # Morph actions at given engine iterations, "down:K@ITER,up:K@ITER" (benchmarks, tests): they run whatever
-    # the policy, after any action in flight. Empty: the MORPHSERVE_FORCE_MORPH environment variable (a test hook).
-    force_morph: str = ""
-    # Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer TLB
-    # misses as a step streams the weights (trtllm_backend/huge_pages.py; all-INT4 batch 1 ~1.1x on the VM).
-    huge_pages: bool = True
-    # Automatic prefix caching (trtllm_backend/prefix_cache.py): full KV blocks are cached by their tokens and
-    # everything before them, and a request reuses the longest cached prefix instead of prefilling it. On by
-    # default (as vLLM and TensorRT-LLM users expect): KV is reused only under the weights that computed it.
-    enable_prefix_caching: bool = True
-    # The request priorities whose queue drives morphing (SamplingParams.priority, lower is more important): the
-    # controller sees the waiting requests and preemptions of priorities <= this; less important ones are
-    # served with what those leave. Default: every class.
-    morph_priority_cutoff: int = PRIORITY_MAX
+
+    # ---- Checks
     # Check the state invariants (trtllm_backend/invariants.py) after every iteration's morph step; a violation
     # is counted (EngineStats.invariant_violations) and logged with the state. Cheap enough to leave on.
     check_invariants: bool = True
-
     def __post_init__(self):
         for name in ("block_size", "max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache", "max_queue_size"):
             _positive(name, getattr(self, name))
