@@ -15,12 +15,17 @@ serve: setup
 generate: setup
 	$(PY) -m trtllm_backend.generate "The capital of France is"
 
-test: setup .venv-aiperf/bin/aiperf
+test: setup .venv-aiperf/bin/aiperf .venv-genaiperf/bin/genai-perf
 	$(PY) -m pytest -q tests
 
 # NVIDIA AIPerf for tests/test_aiperf_gateway.py, in a virtualenv of its own (its pins are not ours).
 .venv-aiperf/bin/aiperf:
 	rm -rf .venv-aiperf && python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf==0.13.0
+
+# genai-perf for tests/test_genai_perf_triton.py, likewise (about 1 GB, under two minutes); it drives the
+# perf_analyzer of build/perf_analyzer, which the test puts on its PATH.
+.venv-genaiperf/bin/genai-perf:
+	rm -rf .venv-genaiperf && python3 -m venv .venv-genaiperf && .venv-genaiperf/bin/pip install -q genai-perf==0.0.16
 
 # The model-free tier, about a minute of CPU time: no set-up step, so it runs on a clean checkout in any
 # Python with the test packages (the venv's when there is one; `pip install -e ".[test]"` otherwise). The markers:
