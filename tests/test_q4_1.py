@@ -245,3 +245,36 @@ def test_the_q4_1_policy_needs_q4_1_fragments(layer_set):
 
     with pytest.raises(FragmentError, match="build_fragments --q4-1"):
         make_engine(morph_policy="q4_1", fragment_dir=str(layer_set))
+
+
+@pytest.mark.needs_model
+@pytest.mark.server
+def test_a_q4_1_triton_server_answers_as_the_full_precision_one(q41_set, triton_server, tmp_path):
+    """The q4_1 policy through the real tritonserver: the same greedy text as the session's full-precision server
+    (fp32 activations: the same weights, another summation order), every layer on Q4_1, no morph."""
+    import json
+
+    from conftest import ROOT, TEST_SERVER_PARAMS, free_ports
+    from test_triton_server import http_post, metrics
+
+    from trtllm_backend import serve
+
+    http, grpc, port = free_ports(3)
+    params = TEST_SERVER_PARAMS | {"fragment_dir": str(q41_set), "morph_policy": "q4_1", "int4_activations": "float32"}
+    handle = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=port, params=params,
+                          backend_dir=ROOT / "build" / "backends", build_dir=ROOT / "build",
+                          log_path=tmp_path / "tritonserver.log", ready_timeout=300, exit_timeout_s=10)
+    try:
+        for prompt in ("The capital of France is", "def fibonacci(n):"):
+            body = {"text_input": prompt, "max_tokens": 12, "ignore_eos": True}
+            answers = [http_post(server, "generate", body) for server in (triton_server, handle)]
+            assert [status for status, _ in answers] == [200, 200], answers
+            full, q41 = (json.loads(text) for _, text in answers)
+            assert q41["text_output"] == full["text_output"] and q41["output_token_count"] == 12
+            assert set(q41["int4_layers"]) == {0}  # Q4_1 is the served form, not a morph
+        seen = metrics(handle)
+        assert seen["morphserve_int4_layers"] == 0
+        assert all(v == 0 for k, v in seen.items() if k.startswith("morphserve_layer_swaps_total")), seen
+    finally:
+        handle.stop(timeout=20)
+        handle.clean_shm()
