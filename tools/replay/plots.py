@@ -43,7 +43,7 @@ def timeline(path: Path, policy: str, result, slo: rm.Slo, window_s: float | Non
     ax[2].set_ylim(-1, max(v + [1]) + 2)
 
     for key, color, label in (("kv_blocks", "tab:orange", "KV capacity"), ("kv_used", "tab:gray", "KV used"),
-                              ("kv_capacity", "black", "capacity at full precision")):
+                              ("kv_capacity", "black", "configured pool (max_tokens_in_paged_kv_cache)")):
         t, v = _series(samples, key)
         ax[3].plot(t, v, color=color, label=label, drawstyle="steps-post",
                    linestyle="--" if key == "kv_capacity" else "-")
