@@ -10,6 +10,7 @@ shapes on a GPU, and how long the KV headroom a morph frees holds a burst's exce
 Nothing here ran on a GPU: every GPU-side number is arithmetic on the measured ratios plus the assumptions
 named in ASSUMPTIONS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,17 +29,18 @@ TRACES = ROOT.parent / "shared" / "data" / "traces"
 
 GB = 1e9
 ASSUMPTIONS = {
-    "gpu_memory_utilization": 0.90,   # share of GPU memory the server may use (vLLM's and TRT-LLM's usual 0.9)
+    "gpu_memory_utilization": 0.90,  # share of GPU memory the server may use (vLLM's and TRT-LLM's usual 0.9)
     "activation_reserve_bytes": 2e9,  # activations, CUDA context and workspace, kept out of the KV pool
-    "pcie_bytes_per_s": 25e9,         # host-to-device copy of a staged INT4 fragment (PCIe Gen4 x16, effective)
-    "kv_dtype_bytes": 2,              # fp16 K/V on the GPU
-    "weight_dtype_bytes": 2,          # fp16 full-precision weights on the GPU
+    "pcie_bytes_per_s": 25e9,  # host-to-device copy of a staged INT4 fragment (PCIe Gen4 x16, effective)
+    "kv_dtype_bytes": 2,  # fp16 K/V on the GPU
+    "weight_dtype_bytes": 2,  # fp16 full-precision weights on the GPU
 }
 
 
 @dataclass(frozen=True)
 class Shape:
     """A Llama-family decoder's shape (the architecture the engine serves)."""
+
     hidden: int
     intermediate: int
     layers: int
@@ -77,7 +79,9 @@ class SizingError(ValueError):
 
 def _load_json(path: Path, what: str) -> dict:
     if not path.exists():
-        raise SizingError(f"{what} not found: {path} ({'run tools/setup.sh' if 'manifest' in what else 'run make bench'})")
+        raise SizingError(
+            f"{what} not found: {path} ({'run tools/setup.sh' if 'manifest' in what else 'run make bench'})"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -89,8 +93,16 @@ def measured_model(manifest_path: Path = MANIFEST) -> dict:
     m = _load_json(manifest_path, "fragment manifest")
     try:
         c = m["config"]
-        shape = Shape(c["hidden_size"], c["intermediate_size"], c["num_layers"], c["num_heads"], c["num_kv_heads"],
-                      c["head_dim"], c["vocab_size"], bool(c.get("tie_word_embeddings")))
+        shape = Shape(
+            c["hidden_size"],
+            c["intermediate_size"],
+            c["num_layers"],
+            c["num_heads"],
+            c["num_kv_heads"],
+            c["head_dim"],
+            c["vocab_size"],
+            bool(c.get("tie_word_embeddings")),
+        )
         full = [layer["fragments"]["full"] for layer in m["layers"]]
         int4 = [layer["fragments"]["int4"] for layer in m["layers"]]
     except KeyError as exc:
@@ -100,12 +112,17 @@ def measured_model(manifest_path: Path = MANIFEST) -> dict:
     params = shape.layer_params()
     full_dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}[full[0].get("dtype", "float32")]
     return {
-        "name": m.get("model_name", "?"), "shape": asdict(shape), "layer_params": params,
-        "full_dtype": full[0].get("dtype", "float32"), "full_bytes": full_bytes, "int4_bytes": int4_bytes,
+        "name": m.get("model_name", "?"),
+        "shape": asdict(shape),
+        "layer_params": params,
+        "full_dtype": full[0].get("dtype", "float32"),
+        "full_bytes": full_bytes,
+        "int4_bytes": int4_bytes,
         "int4_group_size": int4[0].get("group_size"),
         # Measured INT4 storage per parameter (packed nibbles + scales/zeros + norms + file header).
         "int4_bytes_per_param": int4_bytes / params,
-        "full_bytes_per_param": full_bytes / params, "full_dtype_bytes": full_dtype_bytes,
+        "full_bytes_per_param": full_bytes / params,
+        "full_dtype_bytes": full_dtype_bytes,
         "kv_bytes_per_token": shape.kv_bytes_per_token(full_dtype_bytes),
         "kv_tokens_per_swap": (full_bytes - int4_bytes) / shape.kv_bytes_per_token(full_dtype_bytes),
     }
@@ -139,10 +156,18 @@ def gpu_model(name: str, shape: Shape, measured: dict, swaps: dict, gpu_bytes: f
         tokens = max(0.0, pool + k * freed) / kv_token
         by_k[k] = tokens
     return {
-        "model": name, "gpu_bytes": gpu_bytes, "layer_fp16_bytes": layer_fp16, "layer_int4_bytes": layer_int4,
-        "freed_per_swap_bytes": freed, "weights_bytes": weights, "kv_bytes_per_token": kv_token,
-        "kv_tokens_per_swap": freed / kv_token, "kv_pool_bytes": pool, "kv_tokens_by_int4_layers": by_k,
-        "swap_prepare_s_upper": layer_int4 / cpu_rate, "swap_prepare_s_lower": layer_int4 / a["pcie_bytes_per_s"],
+        "model": name,
+        "gpu_bytes": gpu_bytes,
+        "layer_fp16_bytes": layer_fp16,
+        "layer_int4_bytes": layer_int4,
+        "freed_per_swap_bytes": freed,
+        "weights_bytes": weights,
+        "kv_bytes_per_token": kv_token,
+        "kv_tokens_per_swap": freed / kv_token,
+        "kv_pool_bytes": pool,
+        "kv_tokens_by_int4_layers": by_k,
+        "swap_prepare_s_upper": layer_int4 / cpu_rate,
+        "swap_prepare_s_lower": layer_int4 / a["pcie_bytes_per_s"],
         "balanced_max_int4": (2 * shape.layers) // 3,
     }
 
@@ -175,19 +200,31 @@ def trace_stats(path: Path, bin_s: float = 10.0, burst_factor: float = 1.5) -> d
     q = statistics.quantiles(rates, n=100)
     durs = sorted(d for d, _ in bursts)
     return {
-        "trace": path.name, "requests": len(rows), "span_s": span, "mean_rate": mean,
-        "rate_p50": q[49], "rate_p90": q[89], "rate_p99": q[98], "rate_max": max(rates), "bin_s": bin_s,
-        "bursts": len(bursts), "burst_factor": burst_factor,
+        "trace": path.name,
+        "requests": len(rows),
+        "span_s": span,
+        "mean_rate": mean,
+        "rate_p50": q[49],
+        "rate_p90": q[89],
+        "rate_p99": q[98],
+        "rate_max": max(rates),
+        "bin_s": bin_s,
+        "bursts": len(bursts),
+        "burst_factor": burst_factor,
         "burst_duration_p50_s": durs[len(durs) // 2] if durs else 0.0,
         "burst_duration_p90_s": durs[int(len(durs) * 0.9)] if durs else 0.0,
         "burst_duration_max_s": durs[-1] if durs else 0.0,
         "burst_mean_rate": statistics.mean(r for _, r in bursts) if bursts else 0.0,
-        "prompt_mean": statistics.mean(prompt), "prompt_p50": statistics.median(prompt),
-        "output_mean": statistics.mean(out), "output_p50": statistics.median(out),
+        "prompt_mean": statistics.mean(prompt),
+        "prompt_p50": statistics.median(prompt),
+        "output_mean": statistics.mean(out),
+        "output_p50": statistics.median(out),
     }
 
 
-def cover_seconds(extra_tokens_per_replica: float, replicas: int, excess_rate: float, tokens_per_request: float) -> float:
+def cover_seconds(
+    extra_tokens_per_replica: float, replicas: int, excess_rate: float, tokens_per_request: float
+) -> float:
     """Seconds the fleet's extra KV holds a burst's excess arrivals before they must queue, counting none of
     them as finished (a lower bound: requests that finish inside the window give their blocks back)."""
     if excess_rate <= 0:
@@ -228,23 +265,36 @@ def markdown(r: dict) -> str:
         lines.append(
             f"| {g['model']} | {g['gpu']} | {g['layer_fp16_bytes'] / 1e6:.0f} / {g['layer_int4_bytes'] / 1e6:.0f} "
             f"| {g['kv_bytes_per_token'] / 1024:.0f} | {g['kv_tokens_per_swap']:.0f} | {base:,.0f} "
-            f"| {by_k[k]:,.0f} ({k} layers) | {ratio} | {g['swap_prepare_s_lower']:.3f}-{g['swap_prepare_s_upper']:.2f} |")
-    lines += ["", "| trace | requests | mean req/s | 10-s rate p50 / p90 / p99 / max | bursts (> 1.5x mean) "
-              "| burst length p50 / p90 / max (s) | prompt mean / p50 | output mean / p50 |", "|---|---|---|---|---|---|---|---|"]
+            f"| {by_k[k]:,.0f} ({k} layers) | {ratio} | {g['swap_prepare_s_lower']:.3f}-{g['swap_prepare_s_upper']:.2f} |"
+        )
+    lines += [
+        "",
+        "| trace | requests | mean req/s | 10-s rate p50 / p90 / p99 / max | bursts (> 1.5x mean) "
+        "| burst length p50 / p90 / max (s) | prompt mean / p50 | output mean / p50 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for t in r["traces"]:
         lines.append(
             f"| {t['trace']} | {t['requests']} | {t['mean_rate']:.2f} | {t['rate_p50']:.1f} / {t['rate_p90']:.1f} / "
             f"{t['rate_p99']:.1f} / {t['rate_max']:.1f} | {t['bursts']} | {t['burst_duration_p50_s']:.0f} / "
             f"{t['burst_duration_p90_s']:.0f} / {t['burst_duration_max_s']:.0f} | {t['prompt_mean']:.0f} / "
-            f"{t['prompt_p50']:.0f} | {t['output_mean']:.0f} / {t['output_p50']:.0f} |")
-    lines += ["", "Seconds the extra KV of a balanced morph (max INT4 layers) holds a burst's excess over the trace's mean "
-              "rate before requests queue, for M replicas of Llama-3.1-8B (lower bound: no request finishes meanwhile; "
-              "tokens per request = mean prompt + mean output; the extra KV is the same on every GPU size):", "",
-              "| trace, excess over the mean rate | extra KV per replica (tokens) | M = 2 | M = 4 | M = 8 |",
-              "|---|---|---|---|---|"]
+            f"{t['prompt_p50']:.0f} | {t['output_mean']:.0f} / {t['output_p50']:.0f} |"
+        )
+    lines += [
+        "",
+        "Seconds the extra KV of a balanced morph (max INT4 layers) holds a burst's excess over the trace's mean "
+        "rate before requests queue, for M replicas of Llama-3.1-8B (lower bound: no request finishes meanwhile; "
+        "tokens per request = mean prompt + mean output; the extra KV is the same on every GPU size):",
+        "",
+        "| trace, excess over the mean rate | extra KV per replica (tokens) | M = 2 | M = 4 | M = 8 |",
+        "|---|---|---|---|---|",
+    ]
     for row in r["coverage"]:
-        lines.append(f"| {row['trace']}, {row['label']} +{row['excess_rate']:.1f} req/s | {row['extra_tokens']:,.0f} | "
-                     + " | ".join(f"{row['seconds'][m]:.0f} s" for m in (2, 4, 8)) + " |")
+        lines.append(
+            f"| {row['trace']}, {row['label']} +{row['excess_rate']:.1f} req/s | {row['extra_tokens']:,.0f} | "
+            + " | ".join(f"{row['seconds'][m]:.0f} s" for m in (2, 4, 8))
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -257,9 +307,16 @@ def coverage(r: dict) -> list[dict]:
             # Any GPU row of the model: the freed bytes do not depend on the GPU (its pool does).
             g = next(g for g in r["gpus"] if g["model"] == "Llama-3.1-8B")
             extra = g["balanced_max_int4"] * g["kv_tokens_per_swap"]
-            rows.append({"trace": t["trace"].removesuffix("_2023.csv").removeprefix("azure_llm_"), "label": label,
-                         "excess_rate": excess, "extra_tokens": extra, "tokens_per_request": per_request,
-                         "seconds": {m: cover_seconds(extra, m, excess, per_request) for m in (2, 4, 8)}})
+            rows.append(
+                {
+                    "trace": t["trace"].removesuffix("_2023.csv").removeprefix("azure_llm_"),
+                    "label": label,
+                    "excess_rate": excess,
+                    "extra_tokens": extra,
+                    "tokens_per_request": per_request,
+                    "seconds": {m: cover_seconds(extra, m, excess, per_request) for m in (2, 4, 8)},
+                }
+            )
     return rows
 
 

@@ -6,6 +6,7 @@ docker/grafana/dashboards/morphserve.json -- from a Prometheus that scraped the 
 
     python docker/render_panels.py --prometheus http://127.0.0.1:9090 --out results/docker/dashboard.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,16 +92,25 @@ def render(prom: str, out: Path, minutes: float, dashboard: Path = DASHBOARD) ->
     start, step = end - minutes * 60, max(1.0, minutes * 60 / 240)
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dash["panels"])
     fig = plt.figure(figsize=(16, rows * ROW_PX + 0.6), facecolor="#111217")
-    fig.suptitle(f"{dash['title']} -- panels of the Grafana dashboard, rendered from Prometheus data",
-                 color="#d8d9da", fontsize=11, x=0.01, ha="left")
+    fig.suptitle(
+        f"{dash['title']} -- panels of the Grafana dashboard, rendered from Prometheus data",
+        color="#d8d9da",
+        fontsize=11,
+        x=0.01,
+        ha="left",
+    )
     top = 1 - 0.6 / (rows * ROW_PX + 0.6)
     with_data = 0
     for p in dash["panels"]:
         g = p["gridPos"]
         # Leave room inside each grid cell for tick labels (Grafana draws them inside the panel too).
         pad = 0.0 if p["type"] == "stat" else 0.035
-        rect = [g["x"] / 24 + 0.006 + pad, top - (g["y"] + g["h"]) / rows * top + 0.02,
-                g["w"] / 24 - 0.014 - pad, g["h"] / rows * top - 0.035]
+        rect = [
+            g["x"] / 24 + 0.006 + pad,
+            top - (g["y"] + g["h"]) / rows * top + 0.02,
+            g["w"] / 24 - 0.014 - pad,
+            g["h"] / rows * top - 0.035,
+        ]
         series = []
         for t in p["targets"]:
             for r in query_range(prom, t["expr"], start, end, step):

@@ -8,6 +8,7 @@
 `check` sends one streaming gRPC request and one HTTP generate request, then reads /metrics and fails
 unless every morphserve_ metric family of the fixed contract is exported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,18 +28,36 @@ import tritonclient.grpc as grpcclient
 MODEL = "smollm2"
 PROMPT = "The capital of France is"
 FAMILIES = [
-    "morphserve_requests", "morphserve_kv_cache_blocks", "morphserve_kv_cache_usage_ratio",
-    "morphserve_int4_layers", "morphserve_kv_capacity_blocks", "morphserve_memory_bytes",
-    "morphserve_preemptions_total", "morphserve_prompt_tokens_total", "morphserve_generation_tokens_total",
-    "morphserve_requests_total", "morphserve_layer_swaps_total", "morphserve_kv_resizes_total",
-    "morphserve_swap_failures_total", "morphserve_time_to_first_token_seconds",
-    "morphserve_time_per_output_token_seconds", "morphserve_e2e_request_latency_seconds",
-    "morphserve_request_queue_time_seconds", "morphserve_swap_prepare_seconds", "morphserve_swap_apply_seconds",
+    "morphserve_requests",
+    "morphserve_kv_cache_blocks",
+    "morphserve_kv_cache_usage_ratio",
+    "morphserve_int4_layers",
+    "morphserve_kv_capacity_blocks",
+    "morphserve_memory_bytes",
+    "morphserve_preemptions_total",
+    "morphserve_prompt_tokens_total",
+    "morphserve_generation_tokens_total",
+    "morphserve_requests_total",
+    "morphserve_layer_swaps_total",
+    "morphserve_kv_resizes_total",
+    "morphserve_swap_failures_total",
+    "morphserve_time_to_first_token_seconds",
+    "morphserve_time_per_output_token_seconds",
+    "morphserve_e2e_request_latency_seconds",
+    "morphserve_request_queue_time_seconds",
+    "morphserve_swap_prepare_seconds",
+    "morphserve_swap_apply_seconds",
 ]
 
 
-DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64, "UINT32": np.uint32,
-          "FP32": np.float32}
+DTYPES = {
+    "BYTES": np.object_,
+    "BOOL": np.bool_,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT32": np.uint32,
+    "FP32": np.float32,
+}
 
 
 def grpc_inputs(client: grpcclient.InferenceServerClient, values: dict) -> list:
@@ -80,8 +99,9 @@ def grpc_stream(url: str, prompt: str, max_tokens: int, timeout: float = 120.0) 
 
 def http_generate(host: str, port: int, prompt: str, max_tokens: int) -> str:
     body = json.dumps({"text_input": prompt, "max_tokens": max_tokens, "stream": False}).encode()
-    req = urllib.request.Request(f"http://{host}:{port}/v2/models/{MODEL}/generate", body,
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{host}:{port}/v2/models/{MODEL}/generate", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)["text_output"]
 
@@ -111,8 +131,12 @@ def check(a) -> int:
 def load(a) -> int:
     """Closed-loop traffic: `concurrency` clients streaming back to back for `seconds` (bounded)."""
     stop, done, errors = time.monotonic() + a.seconds, [0], [0]
-    prompts = ["Write a short story about a lighthouse keeper.", "List five facts about the moon.",
-               "Explain how a steam engine works.", PROMPT]
+    prompts = [
+        "Write a short story about a lighthouse keeper.",
+        "List five facts about the moon.",
+        "Explain how a steam engine works.",
+        PROMPT,
+    ]
 
     def worker(i: int) -> None:
         n = i
@@ -179,7 +203,7 @@ def burst(a) -> int:
     t = time.monotonic()
     pending = list(range(a.requests))
     while pending:  # `concurrency` requests in flight at once
-        batch, pending = pending[:a.concurrency], pending[a.concurrency:]
+        batch, pending = pending[: a.concurrency], pending[a.concurrency :]
         threads = [threading.Thread(target=one, args=(i,)) for i in batch]
         for th in threads:
             th.start()
@@ -191,9 +215,13 @@ def burst(a) -> int:
     time.sleep(0.5)  # the counter is updated as a request finishes; let the last ones land
     served = [successes(a.host, p) - b for p, b in zip(ports, before)]
     rows = lb_servers(a.host, a.lb_admin_port)
-    routed = {b: sum(int(r["stot"] or 0) for (pb, _), r in rows.items() if pb == b) for b in ("triton_http", "triton_grpc")}
-    print(f"[burst] {a.requests} requests in {took:.1f}s, all completed; served per replica: "
-          f"{[int(s) for s in served]}; balancer sessions per backend: {routed}")
+    routed = {
+        b: sum(int(r["stot"] or 0) for (pb, _), r in rows.items() if pb == b) for b in ("triton_http", "triton_grpc")
+    }
+    print(
+        f"[burst] {a.requests} requests in {took:.1f}s, all completed; served per replica: "
+        f"{[int(s) for s in served]}; balancer sessions per backend: {routed}"
+    )
     assert all(s >= 1 for s in served), f"a replica served nothing: {served}"
     assert sum(served) == a.requests, f"replicas counted {sum(served)} successes for {a.requests} requests"
     assert routed["triton_http"] >= 1 and routed["triton_grpc"] >= 1, f"a protocol was not routed: {routed}"

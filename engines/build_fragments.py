@@ -12,6 +12,7 @@ once their order is profiled); --no-lm-head leaves it out. `--if-missing` adds i
 checked to dequantize to its full fragment bit for bit, served by morph_policy=q4_1. With --from SRC they go into
 --out as an overlay of SRC (its files linked), the full set is not rebuilt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,15 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from trtllm_backend.errors import FragmentError
-from trtllm_backend.manifest import FORMAT_VERSION, HEAD_UNIT, MANIFEST, Manifest, config_dict, file_entry, write_manifest
+from trtllm_backend.manifest import (
+    FORMAT_VERSION,
+    HEAD_UNIT,
+    MANIFEST,
+    Manifest,
+    config_dict,
+    file_entry,
+    write_manifest,
+)
 from trtllm_backend.precision import Precision
 
 from .checkpoint import Checkpoint
@@ -63,7 +72,9 @@ def build(ckpt: Checkpoint, out: Path, model_name: str) -> dict:
     for i in tqdm(range(ckpt.config.num_layers), desc="full-precision fragments", unit="layer"):
         path = out / layer_file(i, Precision.FULL)
         save_file(ckpt.layer(i), path, metadata={"format": "pt", "layer": str(i), "precision": Precision.FULL})
-        layers.append({"index": i, "fragments": {Precision.FULL: file_entry(path, dtype="float32", format="safetensors")}})
+        layers.append(
+            {"index": i, "fragments": {Precision.FULL: file_entry(path, dtype="float32", format="safetensors")}}
+        )
     specials = [t for t in (ckpt.config.bos_token_id, ckpt.config.eos_token_id) if t is not None]
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -133,7 +144,9 @@ def write_head_int8(fragment_dir: Path) -> dict:
 
     m = Manifest(fragment_dir)
     if not m.config.tie_word_embeddings:
-        raise FragmentError(f"{fragment_dir}: the LM head is not tied to the embedding; only a tied table is a swappable unit")
+        raise FragmentError(
+            f"{fragment_dir}: the LM head is not tied to the embedding; only a tied table is a swappable unit"
+        )
     embed = read_safetensors(m.verified_path(m.data["shared"]))["model.embed_tokens.weight"]
     path = fragment_dir / head_file(Precision.INT8)
     path.unlink(missing_ok=True)  # never write through a symlink into another set
@@ -175,12 +188,17 @@ def rank_head(fragment_dir: Path, corpus: Path | None = None) -> dict:
         t0 = time.monotonic()
         corpus = corpus or REPO_ROOT.parent / "shared" / "data" / "corpus" / profile["corpus"]
         if not corpus.is_file():
-            raise FragmentError(f"{corpus}: the text the layer order was profiled on is missing (give it with --corpus)")
+            raise FragmentError(
+                f"{corpus}: the text the layer order was profiled on is missing (give it with --corpus)"
+            )
         rank, scores = score_head_rank(fragment_dir, profile, corpus)
         head["swap_rank"] = rank
-        head["rank_profile"] = {"method": "LIS_head = (0.25*LRS + 0.5*MDS(Q)) / 0.75 (no LTS), "
-                                          "at the first greedy round it beats", **scores,
-                                "seconds": round(time.monotonic() - t0, 1), "profile_sha256": profile_key(profile)}
+        head["rank_profile"] = {
+            "method": "LIS_head = (0.25*LRS + 0.5*MDS(Q)) / 0.75 (no LTS), at the first greedy round it beats",
+            **scores,
+            "seconds": round(time.monotonic() - t0, 1),
+            "profile_sha256": profile_key(profile),
+        }
     data = {**Manifest(fragment_dir).data, HEAD_UNIT: head}  # re-read: the scoring took a while
     write_manifest(fragment_dir, data)
     return head
@@ -198,7 +216,9 @@ def ensure_head(fragment_dir: Path, corpus: Path | None = None, force: bool = Fa
     state = head_state(fragment_dir)
     if state == "untied":
         if force:
-            raise FragmentError(f"{fragment_dir}: the LM head is not tied to the embedding; only a tied table is a swappable unit")
+            raise FragmentError(
+                f"{fragment_dir}: the LM head is not tied to the embedding; only a tied table is a swappable unit"
+            )
         return state
     if force or state == "missing":
         build_head_int8(fragment_dir, corpus)
@@ -216,17 +236,28 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--hf", help="Hugging Face Llama checkpoint directory (config.json + *.safetensors)")
     ap.add_argument("--model-name", default=DEFAULT_MODEL)
     ap.add_argument("--out", help="fragment directory (default: model_repository/<model>/1/fragments)")
-    ap.add_argument("--if-missing", action="store_true",
-                    help="do nothing when a verified fragment set exists (its head unit is still brought up to date)")
-    ap.add_argument("--lm-head-int8", action="store_true",
-                    help="only (re)build the INT8 fragment of the tied embedding / LM head of an existing set (--from "
-                         "SRC: into --out as an overlay of SRC, its files linked); with --if-missing only when it is "
-                         "missing or stale, or just re-rank it when the layer order was re-profiled")
+    ap.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when a verified fragment set exists (its head unit is still brought up to date)",
+    )
+    ap.add_argument(
+        "--lm-head-int8",
+        action="store_true",
+        help="only (re)build the INT8 fragment of the tied embedding / LM head of an existing set (--from "
+        "SRC: into --out as an overlay of SRC, its files linked); with --if-missing only when it is "
+        "missing or stale, or just re-rank it when the layer order was re-profiled",
+    )
     ap.add_argument("--no-lm-head", action="store_true", help="a set without the INT8 embedding / LM head unit")
-    ap.add_argument("--q4-1", action="store_true",
-                    help="also write the Q4_1 fragments: the GGUF's own 4-bit blocks kept exactly (morph_policy=q4_1); "
-                         "with --if-missing only when they are missing or do not verify")
-    ap.add_argument("--from", dest="src", help="with --lm-head-int8 or --q4-1: the set to overlay (default: --out itself)")
+    ap.add_argument(
+        "--q4-1",
+        action="store_true",
+        help="also write the Q4_1 fragments: the GGUF's own 4-bit blocks kept exactly (morph_policy=q4_1); "
+        "with --if-missing only when they are missing or do not verify",
+    )
+    ap.add_argument(
+        "--from", dest="src", help="with --lm-head-int8 or --q4-1: the set to overlay (default: --out itself)"
+    )
     ap.add_argument("--corpus", help="the head's ranking text (default: the profile's corpus in ../shared)")
     args = ap.parse_args(argv)
     if args.lm_head_int8 and args.no_lm_head:
@@ -266,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     done = ensure_head(out, corpus, force=args.lm_head_int8 and not args.if_missing)
     if done != "untied":
         head = Manifest(out).data[HEAD_UNIT]
-        print(f"[fragments] lm_head INT8 fragment {done} in {out}: {head['fragments'][Precision.INT8]['bytes']} bytes, "
-              f"swap rank {head['swap_rank']} {head['rank_profile'] or '(layer order not profiled)'}")
+        print(
+            f"[fragments] lm_head INT8 fragment {done} in {out}: {head['fragments'][Precision.INT8]['bytes']} bytes, "
+            f"swap rank {head['swap_rank']} {head['rank_profile'] or '(layer order not profiled)'}"
+        )
     return 0
 
 

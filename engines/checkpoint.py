@@ -1,4 +1,5 @@
 """What every importer returns: a model config, HF-named fp32 tensors, and a tokenizer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

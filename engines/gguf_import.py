@@ -4,6 +4,7 @@ The file's quantized weights are dequantized to fp32: those values are the full-
 GGUF stores Q/K rows in the interleaved RoPE layout; we permute them to the HF half-split layout so the
 runtime has a single convention.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -113,7 +114,10 @@ def load_gguf(path: str | Path | None = None) -> Checkpoint:
         return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
 
     def shared() -> dict[str, torch.Tensor]:
-        out = {"model.embed_tokens.weight": tensor("token_embd.weight"), "model.norm.weight": tensor("output_norm.weight")}
+        out = {
+            "model.embed_tokens.weight": tensor("token_embd.weight"),
+            "model.norm.weight": tensor("output_norm.weight"),
+        }
         if not config.tie_word_embeddings:
             out["lm_head.weight"] = tensor("output.weight")
         return out

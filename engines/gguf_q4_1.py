@@ -10,6 +10,7 @@ exactly that before it lists a fragment.
 These are not the AWQ INT4 fragments: those re-quantize the full weights (+6.7% perplexity with every layer INT4)
 and stand in for an FP16 model's INT4 form in morphing. Q4_1 serves a GGUF as it is (morph_policy=q4_1).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -79,8 +80,10 @@ class Q41Source:
             for part in parts:
                 t = self.tensors[f"blk.{i}.{part}.weight"]
                 if t.tensor_type != GGMLQuantizationType.Q4_1:
-                    raise FragmentError(f"{self.path.name}: blk.{i}.{part}.weight is {t.tensor_type.name}, not Q4_1: "
-                                        "no lossless Q4_1 fragment (only a GGUF whose linear weights are all Q4_1)")
+                    raise FragmentError(
+                        f"{self.path.name}: blk.{i}.{part}.weight is {t.tensor_type.name}, not Q4_1: "
+                        "no lossless Q4_1 fragment (only a GGUF whose linear weights are all Q4_1)"
+                    )
                 cols, rows = (int(x) for x in t.shape)  # GGUF lists the innermost dimension first
                 q, dm = q4_1_rows(t.data, rows, cols)
                 if part in self.heads:
@@ -96,8 +99,12 @@ class Q41Source:
 
 
 # The full fragment's tensors each fused Q4_1 weight must reproduce, in row order.
-_FULL = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+_FULL = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
 
 
 def mismatches(q41: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> list[str]:
@@ -136,19 +143,32 @@ def write_q4_1(fragment_dir: Path, gguf: str | Path | None = None) -> dict:
     src = Q41Source(gguf)
     source = m.data.get("source") or {}
     if source.get("format") != "gguf" or source.get("file") != src.path.name:
-        raise FragmentError(f"{fragment_dir}: the set was built from {source or 'an unknown source'}, not {src.path.name}: "
-                            "Q4_1 fragments come from the GGUF whose dequantized weights the full fragments are")
+        raise FragmentError(
+            f"{fragment_dir}: the set was built from {source or 'an unknown source'}, not {src.path.name}: "
+            "Q4_1 fragments come from the GGUF whose dequantized weights the full fragments are"
+        )
     entries = []
     for i in tqdm(range(m.num_layers), desc="Q4_1 fragments", unit="layer"):
         tensors = src.layer(i)
         full = read_safetensors(m.verified_path(m.fragment(i, Precision.FULL)))
         if bad := mismatches(tensors, full):
-            raise FragmentError(f"layer {i}: the Q4_1 blocks of {src.path.name} do not dequantize to the full fragment "
-                                f"bit for bit ({', '.join(bad)}); rebuild the set from this GGUF")
+            raise FragmentError(
+                f"layer {i}: the Q4_1 blocks of {src.path.name} do not dequantize to the full fragment "
+                f"bit for bit ({', '.join(bad)}); rebuild the set from this GGUF"
+            )
         path = fragment_dir / layer_file(i, Precision.Q4_1)
         path.unlink(missing_ok=True)  # never write through a symlink into another set
-        save_file(tensors, path, metadata={"format": "pt", "layer": str(i), "precision": Precision.Q4_1,
-                                           "group_size": str(Q4_1_BLOCK), "method": METHOD})
+        save_file(
+            tensors,
+            path,
+            metadata={
+                "format": "pt",
+                "layer": str(i),
+                "precision": Precision.Q4_1,
+                "group_size": str(Q4_1_BLOCK),
+                "method": METHOD,
+            },
+        )
         entries.append(file_entry(path, group_size=Q4_1_BLOCK, method=METHOD, format="safetensors"))
     data = Manifest(fragment_dir).data  # re-read: other builders write the manifest too
     for i, entry in enumerate(entries):

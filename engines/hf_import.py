@@ -1,4 +1,5 @@
 """Import a Hugging Face Llama checkpoint directory: config.json, *.safetensors, tokenizer.json."""
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,10 @@ def load_hf(directory: str | Path) -> Checkpoint:
             return sf.get_tensor(name).float().contiguous()
 
     def shared():
-        out = {"model.embed_tokens.weight": get("model.embed_tokens.weight"), "model.norm.weight": get("model.norm.weight")}
+        out = {
+            "model.embed_tokens.weight": get("model.embed_tokens.weight"),
+            "model.norm.weight": get("model.norm.weight"),
+        }
         if not config.tie_word_embeddings:
             out["lm_head.weight"] = get("lm_head.weight")
         return out

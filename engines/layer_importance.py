@@ -7,6 +7,7 @@ LTS: the layer's input vs its output (a layer that changes little is cheap to pe
 LRS: the full layer's output vs the INT4 layer's output on the same input;
 MDS: final hidden states with the current quantized set Q vs Q + {p} (state-aware, recomputed each round).
 """
+
 from __future__ import annotations
 
 import torch
@@ -84,6 +85,7 @@ def greedy_order(m: OfflineModel, ids: torch.Tensor, rounds: int | None = None) 
 # Its rank is where the greedy would pick it: the first round whose picked layer scored no higher than the head
 # (scored against that round's quantized set). The layers' later rounds were profiled without the head
 # quantized; re-profiling them with it is a second-order change that is not made.
+
 
 @torch.inference_mode()
 def head_scores(m: OfflineModel, ids: torch.Tensor, quantized: list[int]) -> dict:

@@ -2,6 +2,7 @@
 
 Uses the same layer slots and paged attention as serving, so what is measured is what is served.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,14 @@ BLOCK = 16
 
 
 class OfflineModel:
-    def __init__(self, fragment_dir: str | Path, max_len: int = 1024, weight_dtype: torch.dtype = torch.float32,
-                 kv_dtype: torch.dtype = torch.float32, quantized: str = Precision.INT4):
+    def __init__(
+        self,
+        fragment_dir: str | Path,
+        max_len: int = 1024,
+        weight_dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype = torch.float32,
+        quantized: str = Precision.INT4,
+    ):
         self.manifest = Manifest(fragment_dir)
         # weight_dtype=float16 stores the full-precision weights as the served default does (fp32 compute).
         self.store = FragmentStore(self.manifest, torch.float32, weight_dtype)
@@ -32,7 +39,9 @@ class OfflineModel:
         self.full: list[LayerWeights] = [s.weights for s in self.model.slots]
         # The quantized form set_quantized binds: INT4 (AWQ, the morph rung) or Q4_1 (a GGUF's own blocks).
         self.quantized = Precision(quantized)
-        self.int4: list[LayerWeights] = [self.store.load_layer(i, self.quantized) for i in range(self.config.num_layers)]
+        self.int4: list[LayerWeights] = [
+            self.store.load_layer(i, self.quantized) for i in range(self.config.num_layers)
+        ]
         # kv_dtype=float16 stores K/V as a served kv_cache_dtype=float16 pool does: every attention reads them rounded.
         self.kv_dtype = kv_dtype
         self.pool = KVPool(self.config, BLOCK, kv_dtype)
@@ -42,7 +51,9 @@ class OfflineModel:
 
     def set_head(self, int8: bool) -> None:
         if int8 and self.head_int8 is None:
-            raise ValueError(f"{self.manifest.dir}: no INT8 lm_head fragment (python -m engines.build_fragments --lm-head-int8)")
+            raise ValueError(
+                f"{self.manifest.dir}: no INT8 lm_head fragment (python -m engines.build_fragments --lm-head-int8)"
+            )
         self.model.head.bind(self.head_int8 if int8 else self.head_full, Precision.INT8 if int8 else Precision.FULL)
 
     def set_quantized(self, layers) -> None:
@@ -97,8 +108,12 @@ class OfflineModel:
         of the fp32 logits taken in float64, as a peer's scorer (tools/llama_nll.cpp) takes it."""
         states, _, _ = self.layer_inputs(ids)
         logits = self.logits(states[-1]).view(ids.shape[0], ids.shape[1], -1)
-        return torch.stack([F.cross_entropy(logits[b, :-1].double(), ids[b, 1:], reduction="none")  # a window at a time
-                            for b in range(ids.shape[0])])
+        return torch.stack(
+            [
+                F.cross_entropy(logits[b, :-1].double(), ids[b, 1:], reduction="none")  # a window at a time
+                for b in range(ids.shape[0])
+            ]
+        )
 
 
 def corpus_text(path: Path, start_frac: float, end_frac: float, n: int, length: int) -> str:

@@ -13,6 +13,7 @@ These INT4 fragments are the morph rung: they stand in for the INT4 form of an F
 perplexity with every layer INT4). A GGUF's own Q4_1 blocks are served as they are, losslessly, by another
 precision (engines/gguf_q4_1.py, morph_policy=q4_1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,17 +49,27 @@ GROUPS = (
 
 # ---------------------------------------------------------------- the reference model and calibration text
 
+
 def build_hf_model(manifest: Manifest):
     """transformers LlamaForCausalLM (fp32, HF half-split RoPE) holding the full-precision fragments."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = manifest.config
     config = LlamaConfig(
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        pad_token_id=c.pad_token_id,
         architectures=["LlamaForCausalLM"],  # ModelOpt's HF export needs it
         dtype="float32",
     )
@@ -81,7 +92,7 @@ def calibration_samples(tokenizer: Tokenizer, corpus: Path, n: int, seq_len: int
     span = seq_len * 12  # characters; generously more than seq_len tokens of prose
     rows = []
     for start in torch.linspace(0, end - span, n).long().tolist():
-        ids = tokenizer.encode(text[start:start + span]).ids[1:seq_len + 1]  # drop a possibly cut first word
+        ids = tokenizer.encode(text[start : start + span]).ids[1 : seq_len + 1]  # drop a possibly cut first word
         if len(ids) < seq_len:
             raise ValueError(f"corpus window at {start} gives {len(ids)} < {seq_len} tokens")
         rows.append(ids)
@@ -100,6 +111,7 @@ def calibrate(model, samples: torch.Tensor, group_size: int, batch: int = 16) ->
     def forward_loop(m):  # ModelOpt calls it twice: statistics, then the scale search (~10x slower)
         batches, layers = samples.split(batch), m.model.layers
         with tqdm(total=len(batches) * len(layers), desc="AWQ calibration pass", unit="layer") as bar:
+
             def tick(*_):  # NOTE: must return None: a forward hook's return value replaces the layer output
                 bar.update()
 
@@ -129,13 +141,15 @@ def pre_quant_scales(model, index: int) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- fragments
 
+
 def int4_fragment(full: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], group_size: int) -> dict:
     """Full tensors + AWQ scales -> INT4 fragment tensors. Scales of q|k|v and gate|up fold into the RMSNorm
     that feeds them (norm_w * s, exact); o and down keep theirs as `pre_scale` on the activations."""
     out = {}
     for name, projs, norm in GROUPS:
-        out.update(quantize_int4(torch.cat([full[p + ".weight"] for p in projs]), group_size, scales[name],
-                                 prefix=name + "."))
+        out.update(
+            quantize_int4(torch.cat([full[p + ".weight"] for p in projs]), group_size, scales[name], prefix=name + ".")
+        )
         if norm is not None:
             out[norm + ".weight"] = full[norm + ".weight"] * out.pop(name + ".pre_scale")
     return out
@@ -169,15 +183,20 @@ def write_fragments(manifest: Manifest, model, precisions: list[str], group_size
         full = load_file(manifest.verified_path(manifest.fragment(i, Precision.FULL)))
         made = {}
         if Precision.INT4 in precisions:
-            made[Precision.INT4] = (int4_fragment(full, pre_quant_scales(model, i), group_size),
-                          {"group_size": group_size, "method": METHOD})
+            made[Precision.INT4] = (
+                int4_fragment(full, pre_quant_scales(model, i), group_size),
+                {"group_size": group_size, "method": METHOD},
+            )
         if Precision.INT8 in precisions:
             made[Precision.INT8] = (int8_fragment(full), {"method": "rtn-per-channel"})
         layer = {}
         for p, (tensors, extra) in made.items():
             path = manifest.dir / layer_file(i, p)
-            save_file(tensors, path, metadata={"format": "pt", "layer": str(i), "precision": p,
-                                               **{k: str(v) for k, v in extra.items()}})
+            save_file(
+                tensors,
+                path,
+                metadata={"format": "pt", "layer": str(i), "precision": p, **{k: str(v) for k, v in extra.items()}},
+            )
             layer[p] = file_entry(path, **extra, format="safetensors")
         entries.append(layer)
     data = Manifest(manifest.dir).data
@@ -199,6 +218,7 @@ def export_hf(model, export_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- command line
+
 
 def _repo_path(p: str) -> Path:
     path = Path(p)
@@ -235,13 +255,22 @@ def main(argv: list[str] | None = None) -> int:
     corpus = _repo_path(args.corpus)
     samples = calibration_samples(tokenizer, corpus, args.samples, args.seq_len)
     t1 = time.perf_counter()
-    print(f"[quantize] model + {args.samples}x{args.seq_len} calibration tokens ready in {t1 - t0:.1f}s; "
-          f"ModelOpt INT4_AWQ (awq_lite), group size {args.group_size}, {torch.get_num_threads()} threads")
+    print(
+        f"[quantize] model + {args.samples}x{args.seq_len} calibration tokens ready in {t1 - t0:.1f}s; "
+        f"ModelOpt INT4_AWQ (awq_lite), group size {args.group_size}, {torch.get_num_threads()} threads"
+    )
     calibrate(model, samples, args.group_size)
     t2 = time.perf_counter()
     print(f"[quantize] calibration took {t2 - t1:.1f}s")
-    record = {"method": METHOD, "group_size": args.group_size, "samples": args.samples, "seq_len": args.seq_len,
-              "corpus": corpus.name, "corpus_range": [0.0, CALIB_FRACTION], "calibration_s": round(t2 - t1, 1)}
+    record = {
+        "method": METHOD,
+        "group_size": args.group_size,
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "corpus": corpus.name,
+        "corpus_range": [0.0, CALIB_FRACTION],
+        "calibration_s": round(t2 - t1, 1),
+    }
     write_fragments(manifest, model, precisions, args.group_size, record)
     t3 = time.perf_counter()
     print(f"[quantize] fragments written in {t3 - t2:.1f}s")

@@ -22,6 +22,7 @@ lacks AVX2/FMA/F16C, callers fall back to the torch ops and one log line says wh
 turns them off (the torch reference path); `MORPHSERVE_KERNELS_LIBRARY=PATH` loads another build instead
 (comparing builds: tools/kernel_builds_ab.py, tools/microbench/).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,10 +36,18 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "skinny_gemm.cpp", CSRC / "paged_decode_attention.cpp", CSRC / "int4_linear.cpp",
-           CSRC / "layer_elementwise.cpp", CSRC / "decode_layer.cpp",
-           CSRC / "int8_linear.cpp", CSRC / "int8_linear_q8.cpp",
-           CSRC / "argmax_rows.cpp", CSRC / "read_stream.cpp", CSRC / "token_bitmask.cpp"]
+SOURCES = [
+    CSRC / "skinny_gemm.cpp",
+    CSRC / "paged_decode_attention.cpp",
+    CSRC / "int4_linear.cpp",
+    CSRC / "layer_elementwise.cpp",
+    CSRC / "decode_layer.cpp",
+    CSRC / "int8_linear.cpp",
+    CSRC / "int8_linear_q8.cpp",
+    CSRC / "argmax_rows.cpp",
+    CSRC / "read_stream.cpp",
+    CSRC / "token_bitmask.cpp",
+]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY_NAME = "morphserve_kernels"
 _ops: dict[str, object] = {}  # "ns": the torch.ops namespace, or None when unusable (decided once)
@@ -79,10 +88,15 @@ def build(verbose: bool = False) -> Path:
     # NOTE: torch rebuilds only when a source file or a flag changed, not a header: the headers' hash goes in
     # as a define, so editing one rebuilds too.
     headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
-    cpp_extension.load(name=LIBRARY_NAME, sources=[str(s) for s in SOURCES], build_directory=str(BUILD_DIR),
-                       is_python_module=False,
-                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DMORPHSERVE_HEADERS={headers}"],
-                       extra_ldflags=["-fopenmp"], verbose=verbose)
+    cpp_extension.load(
+        name=LIBRARY_NAME,
+        sources=[str(s) for s in SOURCES],
+        build_directory=str(BUILD_DIR),
+        is_python_module=False,
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DMORPHSERVE_HEADERS={headers}"],
+        extra_ldflags=["-fopenmp"],
+        verbose=verbose,
+    )
     return library_path()
 
 

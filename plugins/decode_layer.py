@@ -7,6 +7,7 @@ dense (fp32 or fp16-stored weights) or INT4 on the C++ kernels, activations are 
 the skinny kernels' rows (`skinny_gemm.MAX_ROWS`); elsewhere (INT8 layers, CUDA, no kernels, prefill and
 mixed steps) that layer runs op by op (trtllm_backend.layers.run_layers fuses the runs of layers between). `MORPHSERVE_FUSED_DECODE=0` turns it off (the per-op path, for A/B).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,7 +48,9 @@ def layer_args(input_norm: torch.Tensor, post_norm: torch.Tensor, linears) -> tu
 
 def applies(h: torch.Tensor) -> bool:
     """Whether this step's activations can take the fused op (read per call, so the switch acts at once)."""
-    return enabled() and h.dtype == torch.float32 and h.dim() == 2 and not h.is_cuda and h.shape[0] <= skinny_gemm.MAX_ROWS
+    return (
+        enabled() and h.dtype == torch.float32 and h.dim() == 2 and not h.is_cuda and h.shape[0] <= skinny_gemm.MAX_ROWS
+    )
 
 
 def _flatten(layers: list[tuple[int, tuple[list, list]]]) -> tuple[list, list, list]:
@@ -75,11 +78,20 @@ class RunCache:
         return got
 
 
-def decode_layers(h: torch.Tensor, layers: list[tuple[int, tuple[list, list]]], cos: torch.Tensor, sin: torch.Tensor,
-                  plan, num_heads: int, eps: float, cache: RunCache | None = None) -> torch.Tensor:
+def decode_layers(
+    h: torch.Tensor,
+    layers: list[tuple[int, tuple[list, list]]],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    plan,
+    num_heads: int,
+    eps: float,
+    cache: RunCache | None = None,
+) -> torch.Tensor:
     """h [B, hidden] -> h [B, hidden] through `layers` ((pool layer index, `layer_args`) each, in order) for a
     pure decode step (`plan.fused_decode`); writes each layer's new K/V. `cache`: the model's RunCache."""
     _, segments, segment_of, slot_of, lens = plan.decode_kernel
     tensors, meta, indices = _flatten(layers) if cache is None else cache.flat(layers)
-    return cpu_kernels.ops().decode_layers(h, tensors, meta, indices, cos, sin, segments, segment_of, slot_of, lens,
-                                           plan.head_dim**-0.5, num_heads, eps)
+    return cpu_kernels.ops().decode_layers(
+        h, tensors, meta, indices, cos, sin, segments, segment_of, slot_of, lens, plan.head_dim**-0.5, num_heads, eps
+    )

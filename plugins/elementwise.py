@@ -5,6 +5,7 @@ On the CPU with fp32 activations they run as single C++ calls (csrc/layer_elemen
 cost 5-35 us each in dispatch and threading at decode sizes, for well under 1 us of arithmetic. Elsewhere
 (CUDA, other dtypes, kernels not built) they are the torch ops, which are also the tests' reference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rms_norm(h + delta)): the residual stream and the next sublayer's input."""
     if (ns := _kernels_for(h, delta, weight)) is not None:
         return ns.add_rms_norm(h, delta, weight, eps)

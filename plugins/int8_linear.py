@@ -16,6 +16,7 @@ Activations (`set_head_activations`, process-wide): float32 (the products above)
 twin `reference_linear_q8` for the batches the kernel does not take). `auto`, the default, is int8 where the
 CPU runs the VNNI kernel and float32 elsewhere (there the int8 path would only be the slower torch twin).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -190,8 +191,9 @@ class Int8Table:
             if kernel and packed is not None:  # prefill-sized batches in pieces: each row gets its decode-row result
                 if decode:
                     return self._cpp.int8_linear_q8(x, packed, self.scales)
-                return torch.cat([self._cpp.int8_linear_q8(part, packed, self.scales)
-                                  for part in x.split(skinny_gemm.MAX_ROWS)])
+                return torch.cat(
+                    [self._cpp.int8_linear_q8(part, packed, self.scales) for part in x.split(skinny_gemm.MAX_ROWS)]
+                )
             return reference_linear_q8(x, self.weight, self.scales)
         if decode and rows is not None:
             return self._cpp.int8_linear(x, rows, self.scales)

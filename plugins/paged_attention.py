@@ -10,6 +10,7 @@ slots). On the CPU with an fp32 or fp16 pool the decode group runs in one C++ op
 that reads K/V in place from the segments; in a pure decode step that op also applies RoPE and writes the new K/V (`decode_attention_qkv`). Elsewhere, or without
 the built kernels, it is the torch path below.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,13 +38,15 @@ def _gather(pieces: list[tuple], layer: int, kv_index: int, n: int) -> torch.Ten
     return out
 
 
-def decode_attention_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, plan,
-                         num_heads: int) -> torch.Tensor:
+def decode_attention_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, plan, num_heads: int
+) -> torch.Tensor:
     """A pure decode step (`plan.fused_decode`): qkv [B, (H + 2 KVH) * D] from the fused projection, cos/sin
     [B, D/2] -> attention output [B, H * D]; RoPE and the pool write of the new K/V happen inside the op."""
     _, segments, segment_of, slot_of, lens = plan.decode_kernel
-    return cpu_kernels.ops().paged_decode_attention_qkv(qkv, cos, sin, segments, segment_of, slot_of, lens, layer,
-                                                        plan.head_dim**-0.5, num_heads)
+    return cpu_kernels.ops().paged_decode_attention_qkv(
+        qkv, cos, sin, segments, segment_of, slot_of, lens, layer, plan.head_dim**-0.5, num_heads
+    )
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan) -> torch.Tensor:

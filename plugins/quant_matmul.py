@@ -15,6 +15,7 @@ AWQ pre-scale (ModelOpt's `pre_quant_scale` convention): y = Q(W / s) @ (x * s).
 RMSNorm (q|k|v, gate|up) the builder folds s into the norm weight, so the linear has no pre-scale at all;
 for o_proj and down_proj it stays here and costs one elementwise multiply of the activations.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -38,8 +39,10 @@ _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 # ---------------------------------------------------------------- portable INT4 (asymmetric, group-wise)
 
-def quantize_int4(weight: Tensor, group_size: int = GROUP_SIZE, pre_scale: Tensor | None = None,
-                  prefix: str = "") -> dict[str, Tensor]:
+
+def quantize_int4(
+    weight: Tensor, group_size: int = GROUP_SIZE, pre_scale: Tensor | None = None, prefix: str = ""
+) -> dict[str, Tensor]:
     """fp weight [out, in] -> portable INT4 tensors. Quantizes W / pre_scale when a pre-scale is given."""
     out_f, in_f = weight.shape
     if in_f % group_size or in_f % 2:
@@ -54,8 +57,10 @@ def quantize_int4(weight: Tensor, group_size: int = GROUP_SIZE, pre_scale: Tenso
     zero = (lo + 8 * scale).to(torch.bfloat16).to(torch.float32)
     q = ((wg - zero) / scale + 8).round().clamp(0, 15).to(torch.uint8).reshape(out_f, in_f)
     sz = torch.stack([scale, zero], -1).reshape(out_f, in_f // group_size, 2).transpose(0, 1)
-    out = {prefix + "qweight": (q[:, 0::2] << 4) | q[:, 1::2],
-           prefix + "scales_zeros": sz.contiguous().to(torch.bfloat16)}
+    out = {
+        prefix + "qweight": (q[:, 0::2] << 4) | q[:, 1::2],
+        prefix + "scales_zeros": sz.contiguous().to(torch.bfloat16),
+    }
     if pre_scale is not None:
         out[prefix + "pre_scale"] = pre_scale.detach().to(torch.float32).contiguous()
     return out
@@ -101,6 +106,7 @@ def is_q4_1(tensors: dict[str, Tensor], prefix: str = "") -> bool:
 
 # ---------------------------------------------------------------- portable INT8 (symmetric, per channel)
 
+
 def quantize_int8(weight: Tensor, prefix: str = "") -> dict[str, Tensor]:
     w = weight.detach().to(torch.float32)
     scale = (w.abs().amax(1) / 127).clamp(min=1e-8).to(torch.bfloat16).to(torch.float32)
@@ -113,6 +119,7 @@ def dequantize_int8(tensors: dict[str, Tensor], prefix: str = "") -> Tensor:
 
 
 # ---------------------------------------------------------------- runtime operators
+
 
 def _bf16_call(fn, x: Tensor, out_features: int) -> Tensor:
     # The CPU int4/int8 kernels are 3-14x slower with fp32 activations than with bf16 ones.
@@ -215,8 +222,18 @@ class Int4Linear:
     written from `quantize_int4`'s dict, the portable form.
     """
 
-    __slots__ = ("in_features", "out_features", "group_size", "q4_1", "_packed", "_scales_zeros", "_pre_scale", "_mm",
-                 "_cpp", "nbytes")
+    __slots__ = (
+        "in_features",
+        "out_features",
+        "group_size",
+        "q4_1",
+        "_packed",
+        "_scales_zeros",
+        "_pre_scale",
+        "_mm",
+        "_cpp",
+        "nbytes",
+    )
 
     def __init__(self, tensors: dict[str, Tensor], prefix: str = ""):
         qweight = tensors[prefix + "qweight"].contiguous()  # its device decides the kernel
@@ -241,7 +258,8 @@ class Int4Linear:
         if self._cpp is not None:
             # [in/G, out, 2] -> per output row [out, in/G, 2] -> the kernel's blocks of 8 rows
             self._packed, self._scales_zeros = self._cpp.int4_pack(
-                qweight, self._scales_zeros.transpose(0, 1).contiguous(), self.group_size)
+                qweight, self._scales_zeros.transpose(0, 1).contiguous(), self.group_size
+            )
             self._mm = None
         elif qweight.is_cuda:
             # NOTE: untested here (no GPU on the dev machine): gpt-fast's CUDA path. Its layout tiles K by
@@ -282,12 +300,20 @@ class Int4Linear:
         if self.q4_1:  # no kernels: exact, dequantized per call (the class docstring says why)
             w = dequantize_q4_1({"qweight": self._packed, "scales_mins": self._scales_zeros})
             return (x.to(torch.float32) @ w.t()).to(x.dtype)
-        return _bf16_call(lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros),
-                          x, self.out_features)
+        return _bf16_call(
+            lambda a: self._mm(a, self._packed, self.group_size, self._scales_zeros), x, self.out_features
+        )
 
     def _int4_linear(self, x: Tensor) -> Tensor:
-        return self._cpp.int4_linear(x, self._packed, self._scales_zeros, self._pre_scale, self.out_features,
-                                     self.group_size, skinny_gemm.MAX_ROWS)
+        return self._cpp.int4_linear(
+            x,
+            self._packed,
+            self._scales_zeros,
+            self._pre_scale,
+            self.out_features,
+            self.group_size,
+            skinny_gemm.MAX_ROWS,
+        )
 
     def resident_tensors(self) -> list[Tensor]:
         """The tensors it holds (for a caller that moves them: `adopt`)."""
@@ -327,8 +353,9 @@ class Int8Linear:
         return cls(quantize_int8(weight))
 
     def __call__(self, x: Tensor) -> Tensor:
-        return _bf16_call(lambda a: torch.ops.aten._weight_int8pack_mm(a, self._weight, self._scales),
-                          x, self.out_features)
+        return _bf16_call(
+            lambda a: torch.ops.aten._weight_int8pack_mm(a, self._weight, self._scales), x, self.out_features
+        )
 
     @property
     def nbytes(self) -> int:
@@ -346,6 +373,7 @@ def _nbytes(*tensors: Tensor | None) -> int:
 
 
 # ---------------------------------------------------------------- one decoder layer
+
 
 def load_quantized_layer(tensors: dict[str, Tensor], meta: dict | None = None) -> dict:
     """A quantized fragment's tensors -> {norms, qkv, o, gate_up, down} for the runtime.
@@ -382,6 +410,7 @@ def read_bandwidth(clock=None) -> float:
 def _median(fn, reps: int, clock=None) -> float:
     import statistics
     import time
+
     clock = clock or time.perf_counter
     fn()
     times = []
@@ -392,8 +421,9 @@ def _median(fn, reps: int, clock=None) -> float:
     return statistics.median(times)
 
 
-def layer_benchmark(batches=(1, 2, 4, 8, 16, 32), layers: int = 30, reps: int = 9, repeats: int = 3,
-                    clock=None) -> dict:
+def layer_benchmark(
+    batches=(1, 2, 4, 8, 16, 32), layers: int = 30, reps: int = 9, repeats: int = 3, clock=None
+) -> dict:
     """A decoder layer's four linears, full precision stored in fp16 (the skinny kernel) vs INT4, per batch.
 
     One "pass" runs `layers` distinct layers in turn (30 = SmolLM2: the weights stream from memory, as in
@@ -407,8 +437,10 @@ def layer_benchmark(batches=(1, 2, 4, 8, 16, 32), layers: int = 30, reps: int = 
     torch.manual_seed(0)
     fp16 = [{n: (torch.randn(o, i) * 0.02).half() for n, (i, o) in SMOLLM2_LAYER.items()} for _ in range(layers)]
     int4 = [{n: Int4Linear.from_float(w.float()) for n, w in layer.items()} for layer in fp16]
-    per_layer = {"fp16": sum(w.numel() * 2 for w in fp16[0].values()),
-                 "int4": sum(op.nbytes for op in int4[0].values())}
+    per_layer = {
+        "fp16": sum(w.numel() * 2 for w in fp16[0].values()),
+        "int4": sum(op.nbytes for op in int4[0].values()),
+    }
     out = {"bytes_per_layer": per_layer, "bandwidth_GBps": [], "rows": []}
 
     def pass_of(kind, xs):
@@ -424,6 +456,7 @@ def layer_benchmark(batches=(1, 2, 4, 8, 16, 32), layers: int = 30, reps: int = 
             for kind in per_layer:
                 times[kind, b].append(_median(pass_of(kind, xs), reps, clock) / layers)
     import statistics
+
     bw = statistics.median(out["bandwidth_GBps"]) * 1e9
     for b in batches:
         row = {"batch": b}
@@ -440,7 +473,9 @@ def main(argv=None) -> int:
     import json
     import time
 
-    ap = argparse.ArgumentParser(description="A SmolLM2 layer's linears: fp16-stored full precision vs INT4, per batch.")
+    ap = argparse.ArgumentParser(
+        description="A SmolLM2 layer's linears: fp16-stored full precision vs INT4, per batch."
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--repeats", type=int, default=3, help="alternating passes per kind and batch (medians)")
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time (use with one thread)")
@@ -452,14 +487,20 @@ def main(argv=None) -> int:
     r["clock"] = clock.__name__
     r["threads"] = torch.get_num_threads()
     bws = r["bandwidth_GBps"]
-    print(f"threads={torch.get_num_threads()} clock={clock.__name__} group_size={GROUP_SIZE}; one SmolLM2 layer's linears (qkv, o, gate_up, down),"
-          f" 30 layers in turn; read bandwidth {sorted(bws)[len(bws) // 2]:.1f} GB/s (runs: {', '.join(f'{b:.1f}' for b in bws)});"
-          f" bytes/layer fp16 {r['bytes_per_layer']['fp16'] / 1e6:.2f} MB, int4 {r['bytes_per_layer']['int4'] / 1e6:.2f} MB")
-    print(f"{'batch':>5} | {'fp16 us':>8} {'floor':>7} {'GB/s':>6} | {'int4 us':>8} {'floor':>7} {'GB/s':>6} | {'fp16/int4':>9}")
+    print(
+        f"threads={torch.get_num_threads()} clock={clock.__name__} group_size={GROUP_SIZE}; one SmolLM2 layer's linears (qkv, o, gate_up, down),"
+        f" 30 layers in turn; read bandwidth {sorted(bws)[len(bws) // 2]:.1f} GB/s (runs: {', '.join(f'{b:.1f}' for b in bws)});"
+        f" bytes/layer fp16 {r['bytes_per_layer']['fp16'] / 1e6:.2f} MB, int4 {r['bytes_per_layer']['int4'] / 1e6:.2f} MB"
+    )
+    print(
+        f"{'batch':>5} | {'fp16 us':>8} {'floor':>7} {'GB/s':>6} | {'int4 us':>8} {'floor':>7} {'GB/s':>6} | {'fp16/int4':>9}"
+    )
     for row in r["rows"]:
         f, q = row["fp16"], row["int4"]
-        print(f"{row['batch']:>5} | {f['us']:8.1f} {f['floor_us']:7.1f} {f['GBps']:6.1f} | {q['us']:8.1f} {q['floor_us']:7.1f}"
-              f" {q['GBps']:6.1f} | {row['fp16_over_int4']:9.2f}")
+        print(
+            f"{row['batch']:>5} | {f['us']:8.1f} {f['floor_us']:7.1f} {f['GBps']:6.1f} | {q['us']:8.1f} {q['floor_us']:7.1f}"
+            f" {q['GBps']:6.1f} | {row['fp16_over_int4']:9.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)

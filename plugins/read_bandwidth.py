@@ -15,6 +15,7 @@ The floor is the maximum. The buffer's size matters: a working set that fits the
 480 MB of L3) is read faster than one that does not, so the engine bench measures at the bytes its step reads
 (the weights and the cached K/V), read again and again as decode steps do.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,14 +44,23 @@ def _readers(buf: torch.Tensor, threads: int) -> dict[str, Callable[[], object]]
     out: dict[str, Callable[[], object]] = {"numpy_sum": lambda: np.add.reduce(arr), "torch_sum": f32.sum}
     ops = cpu_kernels.ops()
     if ops is not None and hasattr(ops, "read_stream"):
-        for name, t, ahead in (("stream_1t", 1, 0), ("stream_all", threads, 0),
-                               ("stream_1t_prefetch", 1, PREFETCH_BYTES), ("stream_all_prefetch", threads, PREFETCH_BYTES)):
+        for name, t, ahead in (
+            ("stream_1t", 1, 0),
+            ("stream_all", threads, 0),
+            ("stream_1t_prefetch", 1, PREFETCH_BYTES),
+            ("stream_all_prefetch", threads, PREFETCH_BYTES),
+        ):
             out[name] = lambda t=t, ahead=ahead: ops.read_stream(buf, t, ahead, True)
     return out
 
 
-def measure(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = None, rounds: int = 1,
-            alloc: Callable[[int], torch.Tensor] | None = None) -> dict:
+def measure(
+    nbytes: int = 1 << 30,
+    reps: int = 5,
+    threads: int | None = None,
+    rounds: int = 1,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> dict:
     """Every method's read bandwidth (GB/s, the median of `reps` timed passes) over one buffer of `nbytes`;
     `rounds` > 1 takes the methods in turn that many times and keeps each one's best round (the machine's drift
     then hits every method). `alloc(nbytes)` gives the buffer (e.g. trtllm_backend.huge_pages.empty)."""
@@ -73,8 +83,15 @@ def measure(nbytes: int = 1 << 30, reps: int = 5, threads: int | None = None, ro
     finally:
         torch.set_num_threads(before)
     method = max(best, key=best.get)
-    return {"bytes": buf.numel(), "threads": threads, "reps": reps, "rounds": rounds, "GBps": best,
-            "floor_GBps": best[method], "floor_method": method}
+    return {
+        "bytes": buf.numel(),
+        "threads": threads,
+        "reps": reps,
+        "rounds": rounds,
+        "GBps": best,
+        "floor_GBps": best[method],
+        "floor_method": method,
+    }
 
 
 def floor_bandwidth(nbytes: int, alloc: Callable[[int], torch.Tensor] | None = None, rounds: int = 2) -> dict:

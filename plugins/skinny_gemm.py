@@ -6,6 +6,7 @@ batch 2-32, while a decode step's matmuls are bound by reading the weights once.
 (csrc/skinny_gemm.cpp) reads each weight row once and reuses it from L1 for every row of the batch;
 `tools/bench_engine.py` prints both. Above `MAX_ROWS` rows (prefill chunks) MKL is faster and is used.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,13 @@ MAX_ROWS = 48
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T; the weight may be stored in fp16 under fp32 activations (widened here)."""
-    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and not x.is_cuda \
-            and weight.dtype in (torch.float32, torch.float16):
+    if (
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype == torch.float32
+        and not x.is_cuda
+        and weight.dtype in (torch.float32, torch.float16)
+    ):
         ns = cpu_kernels.ops()
         if ns is not None:
             return ns.skinny_linear(x, weight)

@@ -1,6 +1,7 @@
 """Structured outputs' allowed-token bitmasks applied to logits in place: the C++ op (csrc/token_bitmask.cpp) on
 contiguous fp32 CPU logits, numpy's unpackbits and a masked fill elsewhere; both set exactly the logits whose bit
 is clear to -inf (bit t of a row: int32 word t // 32, bit t % 32)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,14 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     if not rows:
         return
     ns = cpu_kernels.ops()
-    if (ns is not None and logits.dim() == 2 and logits.dtype == torch.float32 and not logits.is_cuda
-            and logits.is_contiguous() and bitmask.is_contiguous()):
+    if (
+        ns is not None
+        and logits.dim() == 2
+        and logits.dtype == torch.float32
+        and not logits.is_cuda
+        and logits.is_contiguous()
+        and bitmask.is_contiguous()
+    ):
         ns.apply_token_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.long))
         return
     reference_apply_(logits, bitmask, rows)

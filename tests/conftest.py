@@ -1,5 +1,6 @@
 """Shared fixtures. `triton_server`: one real tritonserver for the whole session (started by the launcher on
 free ports, with a small KV pool and short intervals so the suite stays fast)."""
+
 from __future__ import annotations
 
 import urllib.request
@@ -29,8 +30,6 @@ TEST_SERVER_PARAMS = {
 }
 
 
-
-
 def fragments_present() -> bool:
     """A manifest where the model tests look for one (cheap: the tests verify the files they load)."""
     from engines.build_fragments import default_fragment_dir
@@ -42,8 +41,11 @@ def pytest_collection_modifyitems(config, items):
     # NOTE: `slow` meant "needs the real model" before the tiers; a branch's test still marked only `slow` keeps
     # that meaning. Without the fragments a model test is skipped with the step that builds them, not left to fail
     # on a missing file halfway through a fixture.
-    missing = None if fragments_present() else pytest.mark.skip(
-        reason="needs the model's fragments: run `make setup` (tools/setup.sh) first")
+    missing = (
+        None
+        if fragments_present()
+        else pytest.mark.skip(reason="needs the model's fragments: run `make setup` (tools/setup.sh) first")
+    )
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("needs_model"):
             item.add_marker(pytest.mark.needs_model)
@@ -66,9 +68,18 @@ def triton_server(tmp_path_factory):
     with_openmp_defaults(os.environ)
     http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    handle = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
-                          params=TEST_SERVER_PARAMS, backend_dir=ROOT / "build" / "backends",
-                          build_dir=ROOT / "build", log_path=log, ready_timeout=300, exit_timeout_s=10)
+    handle = serve.launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        params=TEST_SERVER_PARAMS,
+        backend_dir=ROOT / "build" / "backends",
+        build_dir=ROOT / "build",
+        log_path=log,
+        ready_timeout=300,
+        exit_timeout_s=10,
+    )
     try:
         yield handle
     finally:

@@ -1,4 +1,5 @@
 """Shared helpers for engine tests: the real fragment set, lone/batched greedy runs, the near-tie rule."""
+
 from __future__ import annotations
 
 import os
@@ -86,7 +87,9 @@ def top2_gap(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-def run_greedy(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+def run_greedy(
+    engine: LLMEngine, prompts: list[str], max_tokens: int
+) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
     """All prompts submitted together (one batch); returns tokens and top-2 gaps per request id."""
     tokens: dict[str, list[int]] = {}
     gaps: dict[str, list[float]] = {}
@@ -94,7 +97,12 @@ def run_greedy(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[
     for i, p in enumerate(prompts):
         rid = f"p{i}"
         tokens[rid] = []
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), lambda o, rid=rid: tokens[rid].extend(o.token_ids), request_id=rid)
+        engine.add_request(
+            p,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            lambda o, rid=rid: tokens[rid].extend(o.token_ids),
+            request_id=rid,
+        )
     engine.run_until_idle()
     engine.on_logits = None
     return tokens, gaps
@@ -108,16 +116,26 @@ def assert_same_up_to_near_tie(lone: list[int], lone_gaps: list[float], other: l
     assert len(lone) == len(other) == len(lone_gaps), (len(lone), len(other), len(lone_gaps))
     for i, (a, b) in enumerate(zip(lone, other)):
         if a != b:
-            assert lone_gaps[i] < NEAR_TIE, f"diverged at token {i} where the top-2 gap was {lone_gaps[i]:.2e} (>= {NEAR_TIE})"
+            assert lone_gaps[i] < NEAR_TIE, (
+                f"diverged at token {i} where the top-2 gap was {lone_gaps[i]:.2e} (>= {NEAR_TIE})"
+            )
             return
 
 
 def random_layer_tensors(cfg, g: torch.Generator) -> dict[str, torch.Tensor]:
     """A decoder layer's full-precision tensors for `cfg` (HF names, unfused), random from `g`."""
     hid, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes = {"self_attn.q_proj": (cfg.num_heads * D, hid), "self_attn.k_proj": (cfg.num_kv_heads * D, hid),
-              "self_attn.v_proj": (cfg.num_kv_heads * D, hid), "self_attn.o_proj": (hid, cfg.num_heads * D),
-              "mlp.gate_proj": (inter, hid), "mlp.up_proj": (inter, hid), "mlp.down_proj": (hid, inter)}
+    shapes = {
+        "self_attn.q_proj": (cfg.num_heads * D, hid),
+        "self_attn.k_proj": (cfg.num_kv_heads * D, hid),
+        "self_attn.v_proj": (cfg.num_kv_heads * D, hid),
+        "self_attn.o_proj": (hid, cfg.num_heads * D),
+        "mlp.gate_proj": (inter, hid),
+        "mlp.up_proj": (inter, hid),
+        "mlp.down_proj": (hid, inter),
+    }
     t = {f"{k}.weight": torch.randn(s, generator=g) * 0.2 for k, s in shapes.items()}
-    t.update({n: torch.rand(hid, generator=g) + 0.5 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")})
+    t.update(
+        {n: torch.rand(hid, generator=g) + 0.5 for n in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+    )
     return t

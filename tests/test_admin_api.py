@@ -4,6 +4,7 @@ or load / unload models, over HTTP or gRPC (tritonclient), while inference, heal
 statistics stay open; the same calls with the handle's key header succeed. A toy Python model keeps the server
 small (explicit model control, so that load / unload really act). Plus the launcher's key file, flags and bind
 address, and the compose file's rule."""
+
 from __future__ import annotations
 
 import os
@@ -46,7 +47,8 @@ def test_the_flags_close_the_four_admin_categories_on_both_protocols():
     key = admin.new_key()
     assert admin.restricted_args(key) == [
         f"--http-restricted-api=shared-memory,model-repository,logging,trace:morphserve-admin-key={key}",
-        f"--grpc-restricted-protocol=shared-memory,model-repository,logging,trace:morphserve-admin-key={key}"]
+        f"--grpc-restricted-protocol=shared-memory,model-repository,logging,trace:morphserve-admin-key={key}",
+    ]
     own = ["--http-restricted-api=logging:x=y"]  # the operator's own flag for a protocol wins
     assert admin.restricted_args(key, own) == [admin.restricted_args(key)[1]]
     assert admin.headers(key) == {"morphserve-admin-key": key, "triton-grpc-protocol-morphserve-admin-key": key}
@@ -74,7 +76,9 @@ def test_the_key_file_is_private(tmp_path):
     with pytest.raises(OSError):
         admin.write_key_file(link, "k")  # never follows a link planted at the path
     assert not (tmp_path / "elsewhere").exists()
-    assert admin.default_key_file(8000, {"XDG_RUNTIME_DIR": "/run/user/5"}) == Path("/run/user/5/morphserve/admin-key.8000")
+    assert admin.default_key_file(8000, {"XDG_RUNTIME_DIR": "/run/user/5"}) == Path(
+        "/run/user/5/morphserve/admin-key.8000"
+    )
     assert admin.default_key_file(8000, {admin.KEY_FILE_ENV: "/k"}) == Path("/k")
 
 
@@ -149,10 +153,20 @@ def toy_repo(tmp_path_factory) -> Path:
 
 def _launch(repo: Path, **kwargs):
     http, grpc, metrics = free_ports(3)
-    return launch(repo, model="echo", http_port=http, grpc_port=grpc, metrics_port=metrics, check_params=False,
-                  backend_dir=ROOT / "build" / "backends", log_path=repo.parent / f"server-{uuid.uuid4().hex[:6]}.log",
-                  ready_timeout=120, exit_timeout_s=5,
-                  extra_args=["--model-control-mode=explicit", "--load-model=echo"], **kwargs)
+    return launch(
+        repo,
+        model="echo",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        check_params=False,
+        backend_dir=ROOT / "build" / "backends",
+        log_path=repo.parent / f"server-{uuid.uuid4().hex[:6]}.log",
+        ready_timeout=120,
+        exit_timeout_s=5,
+        extra_args=["--model-control-mode=explicit", "--load-model=echo"],
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """NVIDIA AIPerf (the successor of genai-perf) against the OpenAI gateway in front of a real tritonserver: the
 benchmark completes with no error, and the token counts it reads from the server agree with the lengths it
 forced. AIPerf lives in its own virtualenv (`make .venv-aiperf/bin/aiperf`, which `make test` runs): its pins are not ours."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,38 @@ def test_aiperf_profiles_the_openai_endpoint(gateway, tmp_path):  # noqa: F811
     tokenizer.mkdir()
     shutil.copy(FRAGMENTS / "tokenizer.json", tokenizer / "tokenizer.json")
     artifacts = tmp_path / "artifacts"
-    cmd = [str(AIPERF), "profile", "-m", MODEL, "--url", gateway.url, "--endpoint-type", "chat", "--streaming",
-           "--api-key", KEY, "--tokenizer", str(tokenizer), "--concurrency", str(CONCURRENCY),
-           "--request-count", str(REQUESTS), "--synthetic-input-tokens-mean", "48",
-           "--output-tokens-mean", str(OUTPUT_TOKENS), "--extra-inputs", "ignore_eos:true",
-           "--random-seed", "0", "--ui-type", "none", "--no-auto-plot", "--artifact-dir", str(artifacts)]
+    cmd = [
+        str(AIPERF),
+        "profile",
+        "-m",
+        MODEL,
+        "--url",
+        gateway.url,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--api-key",
+        KEY,
+        "--tokenizer",
+        str(tokenizer),
+        "--concurrency",
+        str(CONCURRENCY),
+        "--request-count",
+        str(REQUESTS),
+        "--synthetic-input-tokens-mean",
+        "48",
+        "--output-tokens-mean",
+        str(OUTPUT_TOKENS),
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--random-seed",
+        "0",
+        "--ui-type",
+        "none",
+        "--no-auto-plot",
+        "--artifact-dir",
+        str(artifacts),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((artifacts / "profile_export_aiperf.json").read_text())

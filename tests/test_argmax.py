@@ -1,4 +1,5 @@
 """plugins.argmax: the C++ row argmax against torch.argmax (ties, NaN, infinities, tails), and bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,8 @@ from plugins import argmax, cpu_kernels
 
 ns = cpu_kernels.ops()
 needs_kernels = pytest.mark.skipif(
-    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}"
+)
 
 
 def _cases() -> list[torch.Tensor]:

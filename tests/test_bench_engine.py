@@ -1,4 +1,5 @@
 """tools/bench_engine.py's interleaved policy comparison, on the real fragment set (tiny: 2 rounds of 2 steps)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,16 @@ from tools import bench_engine
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(fragment_dir=str(fragment_dir()), batches=[1, 3], policy=["full", "int4"], threads=1,
-                int4_prefill="auto", weight_dtype="float16", context=0, kv_cache_dtype="auto")
+    base = dict(
+        fragment_dir=str(fragment_dir()),
+        batches=[1, 3],
+        policy=["full", "int4"],
+        threads=1,
+        int4_prefill="auto",
+        weight_dtype="float16",
+        context=0,
+        kv_cache_dtype="auto",
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -67,8 +76,9 @@ def test_dense_prefetch_ab_times_both_settings_and_leaves_it_on():
     if cpu_kernels.ops() is None:
         pytest.skip("no C++ kernels: run make setup")
     engine = bench_engine.make_engine(_args(policy=["full"]), "full")
-    rows = bench_engine.ab_table(engine, [1, 3], bench_engine.use_dense_prefetch, "dense prefetch A/B", "off", "on",
-                                 steps=2)
+    rows = bench_engine.ab_table(
+        engine, [1, 3], bench_engine.use_dense_prefetch, "dense prefetch A/B", "off", "on", steps=2
+    )
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["off_step_s"] > 0 and r["on_step_s"] > 0 for r in rows)
     assert cpu_kernels.ops().dense_prefetch(-1) == 1
@@ -88,8 +98,9 @@ def test_a_long_context_step_counts_its_cached_kv_and_the_kv_prefetch_ab_leaves_
     per_token = engine.pool.bytes_per_block // engine.pool.block_size
     assert per_token == 2 * 30 * 2 * 3 * 64  # fp16 K and V of SmolLM2's 30 layers, 3 KV heads of 64
     assert step > 0 and 85 * per_token <= kv <= 91 * per_token  # the prompt's tokens (re-encoding may merge a few)
-    rows = bench_engine.ab_table(engine, [1, 2], bench_engine.use_kv_prefetch, "K/V prefetch A/B", "off", "on", steps=2,
-                                 context=90)
+    rows = bench_engine.ab_table(
+        engine, [1, 2], bench_engine.use_kv_prefetch, "K/V prefetch A/B", "off", "on", steps=2, context=90
+    )
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["off_step_s"] > 0 and r["on_step_s"] > 0 for r in rows)
     assert cpu_kernels.ops().kv_prefetch(-1) == 1
@@ -100,8 +111,15 @@ def test_a_batch_whose_prompts_do_not_decode_together_in_the_pool_is_refused():
     from trtllm_backend.config import EngineConfig
     from trtllm_backend.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(fragment_dir=str(fragment_dir()), morph_policy="full", max_batch_size=3,
-                                    max_tokens_in_paged_kv_cache=256, num_threads=1))
+    engine = LLMEngine(
+        EngineConfig(
+            fragment_dir=str(fragment_dir()),
+            morph_policy="full",
+            max_batch_size=3,
+            max_tokens_in_paged_kv_cache=256,
+            num_threads=1,
+        )
+    )
     with pytest.raises(SystemExit, match="of 3 requests decode together"):
         bench_engine.start_decode(engine, 3, max_tokens=4, context=100)
     assert not engine.requests  # aborted, nothing left running

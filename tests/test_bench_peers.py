@@ -1,4 +1,5 @@
 """tools.bench_peers without servers: rounds combined into medians and ranges, the report from them."""
+
 from __future__ import annotations
 
 from tools import bench_peers
@@ -7,8 +8,19 @@ NAMES = ["llama.cpp", "ours-int4"]
 
 
 def _server(tok_s: float, tpot_s: float) -> dict:
-    return {"requests": 4, "ok": 4, "errors": [], "output_tokens": 512, "wall_s": 512 / tok_s, "output_tok_s": tok_s,
-            "ttft_p50_s": 0.3, "ttft_p95_s": 0.4, "tpot_p50_s": tpot_s, "tpot_p95_s": tpot_s, "short_outputs": 0}
+    return {
+        "requests": 4,
+        "ok": 4,
+        "errors": [],
+        "output_tokens": 512,
+        "wall_s": 512 / tok_s,
+        "output_tok_s": tok_s,
+        "ttft_p50_s": 0.3,
+        "ttft_p95_s": 0.4,
+        "tpot_p50_s": tpot_s,
+        "tpot_p95_s": tpot_s,
+        "short_outputs": 0,
+    }
 
 
 def _round(rnd: int, llama: float, ours: float) -> dict:
@@ -27,15 +39,38 @@ def test_a_level_is_the_median_round_with_the_range_of_each_ratio():
 
 
 def test_the_report_shows_ranges_for_several_rounds_and_reads_single_round_results():
-    result = {"started_utc": "t", "command": "python -m tools.bench_peers", "machine": "x86_64, 2 cores",
-              "load_at_start": 0.1, "gguf": "m.gguf", "servers": NAMES, "prompt_tokens": 128, "output_tokens": 128,
-              "requests_per_stream": 2, "weight_dtype": "float16", "openmp": {}, "commit": "abc1234", "dirty": []}
-    multi = result | {"repeats": 3, "levels": [bench_peers.combine_rounds(
-        4, [_round(0, 100.0, 150.0), _round(1, 80.0, 200.0), _round(2, 120.0, 180.0)])]}
+    result = {
+        "started_utc": "t",
+        "command": "python -m tools.bench_peers",
+        "machine": "x86_64, 2 cores",
+        "load_at_start": 0.1,
+        "gguf": "m.gguf",
+        "servers": NAMES,
+        "prompt_tokens": 128,
+        "output_tokens": 128,
+        "requests_per_stream": 2,
+        "weight_dtype": "float16",
+        "openmp": {},
+        "commit": "abc1234",
+        "dirty": [],
+    }
+    multi = result | {
+        "repeats": 3,
+        "levels": [
+            bench_peers.combine_rounds(4, [_round(0, 100.0, 150.0), _round(1, 80.0, 200.0), _round(2, 120.0, 180.0)])
+        ],
+    }
     text = bench_peers.render(multi)
     assert "3 rounds" in text and "| 4 | 1.50 [1.50, 2.50] |" in text
-    single = result | {"levels": [{"level": 4, "servers": _round(0, 100.0, 150.0)["servers"],
-                                   "ratios": {"ours-int4_tok_s": 1.5, "ours-int4_tpot": 2.0}}]}
+    single = result | {
+        "levels": [
+            {
+                "level": 4,
+                "servers": _round(0, 100.0, 150.0)["servers"],
+                "ratios": {"ours-int4_tok_s": 1.5, "ours-int4_tpot": 2.0},
+            }
+        ]
+    }
     text = bench_peers.render(single)  # a peers.json written before --repeats
     assert "server after server" in text and "| 4 | 1.50 | 2.00 |" in text
 

@@ -1,6 +1,7 @@
 """invariants.BlockChecker (the incremental block check the engine runs each iteration) gives the verdict and
 the report of the full scan, block_violations, after any sequence of changes: allocations and frees through
 the pool's own paths, and corruptions written straight into the free lists and block tables."""
+
 import random
 
 import torch
@@ -8,7 +9,6 @@ import torch
 from trtllm_backend.invariants import BlockChecker, block_violations
 from trtllm_backend.kv_cache import KVSegment
 from trtllm_backend.prefix_cache import PrefixCache
-
 
 
 class _Pool:

@@ -1,4 +1,5 @@
 """Model import: RoPE layout normalisation, HF checkpoints, manifest integrity."""
+
 import json
 import shutil
 
@@ -32,13 +33,25 @@ def test_hf_checkpoint_imports_to_the_same_fragments(tmp_path):
     cfg = src.config
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": layers, "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": True,
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-    }))
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_hidden_layers": layers,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "rope_theta": cfg.rope_theta,
+                "vocab_size": cfg.vocab_size,
+                "max_position_embeddings": cfg.max_position_embeddings,
+                "tie_word_embeddings": True,
+                "bos_token_id": cfg.bos_token_id,
+                "eos_token_id": cfg.eos_token_id,
+            }
+        )
+    )
     tensors = dict(read_safetensors(src.verified_path(src.data["shared"])))
     for i in range(layers):
         for name, t in read_safetensors(src.verified_path(src.fragment(i, Precision.FULL))).items():

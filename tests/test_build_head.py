@@ -3,6 +3,7 @@ step) adds it to a set that predates it, re-ranks it when the layer order is re-
 longer verifies, and is a no-op when it is up to date. Runs on an overlay of the real set (its files linked); the
 head's scoring (engines.layer_importance.head_rank on the whole model, tests/test_head_unit.py) is replaced by a
 recorder here, so the test is about what setup decides."""
+
 import json
 
 import pytest

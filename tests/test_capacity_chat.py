@@ -1,6 +1,7 @@
 """Multi-turn and mixed-priority traffic in the capacity harness (issue 45): the chat kinds' probes, each request's
 priority kept in its record, attainment per priority class in the report, and prefix reuse on/off as a policy
 variant (tools/capacity/{traffic,classes,reuse,plan}.py)."""
+
 import asyncio
 import json
 
@@ -64,6 +65,7 @@ def test_every_turn_fits_the_bound_pools_are_checked_against():
     _need_trace()
     try:
         from tools.replay.prompts import PromptSource, load_tokenizer
+
         prompts = PromptSource(load_tokenizer())
     except (FileNotFoundError, OSError) as exc:
         pytest.skip(f"tokenizer or corpus not present: {exc}")
@@ -135,18 +137,25 @@ def test_a_plain_kind_has_no_class_section(tmp_path):
 def test_prefix_off_is_a_policy_variant():
     assert policy_params("full+prefix=off") == ("full", {"enable_kv_cache_reuse": "false"})
     assert policy_params("balanced+prefix=on+lm_head=full") == (
-        "balanced", {"enable_kv_cache_reuse": "true", "lm_head_precision": "full"})
+        "balanced",
+        {"enable_kv_cache_reuse": "true", "lm_head_precision": "full"},
+    )
     with pytest.raises(ValueError, match="prefix takes on or off, got 'no'"):
         policy_params("full+prefix=no")
     from trtllm_backend.triton.params import PARAMS
+
     names = {p.name for p in PARAMS}
     assert {"enable_kv_cache_reuse", "lm_head_precision"} <= names  # what the variants set is a server parameter
 
 
 def test_reuse_on_and_off_are_compared_at_equal_memory(tmp_path):
     out = tmp_path / "cap"
-    caps = {"full": (0.05, 0.06), "full+prefix=off": (0.04, 0.04), "balanced": (0.1, 0.09),
-            "balanced+prefix=off": (0.05, 0.06)}
+    caps = {
+        "full": (0.05, 0.06),
+        "full+prefix=off": (0.04, 0.04),
+        "balanced": (0.1, 0.09),
+        "balanced+prefix=off": (0.05, 0.06),
+    }
     for policy, per_seed in caps.items():
         for seed, cap in enumerate(per_seed):
             reused = 0 if "off" in policy else 500  # of 100 x 20 prompt tokens sent: 25%
@@ -183,8 +192,17 @@ def test_overload_only_searches_full_alone_then_probes_every_policy(tmp_path, ca
     # full's search stored (capacity x0.3, fails at x0.45 and x0.3674) and its probe at x1.5 of it, x0.45
     for rate, good in [(0.3, 95), (0.45, 50), (0.3674, 80)]:
         put(tmp_path, "conv", 256, "full", 0, rate, 100, good)
-    plan = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4,
-                overload=1.5, overload_only=True)
+    plan = Plan(
+        [KINDS["conv"]],
+        [256],
+        ["full", "balanced"],
+        [0],
+        tmp_path,
+        precision=0.25,
+        max_probes=4,
+        overload=1.5,
+        overload_only=True,
+    )
     with pytest.raises(ServerWanted, match="balanced"):  # no balanced search: its one probe at x0.45 is next
         plan._run_pool(KINDS["conv"], 256, _no_server, prompts=None)
     log = capsys.readouterr().out

@@ -1,5 +1,6 @@
 """Multi-turn traffic for the capacity harness (tools/capacity/conversations.py) and the prefill it saves with
 prefix caching (tools/capacity/prefix_reuse.py)."""
+
 import pytest
 
 from tools.capacity.conversations import BATCH, INTERACTIVE, Conversations, plan_turns
@@ -14,7 +15,8 @@ def test_turns_keep_the_trace_and_grow_conversations_within_their_context():
     turns = conv.turns(REQS, seed=1)
     assert turns == conv.turns(REQS, seed=1)  # seeded
     assert [(t.arrival_s, t.message_tokens, t.output_tokens) for t in turns] == [
-        (r.arrival_s, r.prompt_tokens, r.output_tokens) for r in REQS]
+        (r.arrival_s, r.prompt_tokens, r.output_tokens) for r in REQS
+    ]
     by_conv: dict[int, list] = {}
     for t in turns:
         by_conv.setdefault(t.conversation, []).append(t)

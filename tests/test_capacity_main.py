@@ -1,15 +1,19 @@
 """The capacity CLI (tools/capacity/__main__.py): bad input is refused with the problem named."""
+
 import pytest
 
 from tools.capacity.__main__ import _remember, main
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--pools", "256,abc"], "--pools: expected integers"),
-    (["--param", "num_threads"], "--param expects NAME=VALUE"),
-    (["--traffic", "chat"], "unknown traffic kind 'chat'"),
-    (["--traffic", "conv", "--pools", "128"], "cannot hold one conv request"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--pools", "256,abc"], "--pools: expected integers"),
+        (["--param", "num_threads"], "--param expects NAME=VALUE"),
+        (["--traffic", "chat"], "unknown traffic kind 'chat'"),
+        (["--traffic", "conv", "--pools", "128"], "cannot hold one conv request"),
+    ],
+)
 def test_bad_arguments(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(argv + ["--out", str(tmp_path)])

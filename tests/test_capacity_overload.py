@@ -1,4 +1,5 @@
 """The overload comparison (tools/capacity/overload.py, its report section) from hand-made stored probes."""
+
 import json
 
 import pytest

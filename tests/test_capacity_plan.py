@@ -1,5 +1,6 @@
 """The plan's resumability (tools/capacity/plan.py, store.py): stored probes are read, not run again; --force
 runs them again; a probe file is written whole or not at all."""
+
 import json
 
 import pytest
@@ -25,9 +26,15 @@ def plan(tmp_path, force=False):
 
 def stored_search(tmp_path):
     # full passes at x0.3 and fails at x0.45 and x0.3674; balanced passes at 0.3 and 0.45, fails at 0.675, 0.5511
-    for policy, rate, good in [("full", 0.3, 95), ("full", 0.45, 50), ("full", 0.3674, 80),
-                               ("balanced", 0.3, 100), ("balanced", 0.45, 95), ("balanced", 0.675, 40),
-                               ("balanced", 0.5511, 85)]:
+    for policy, rate, good in [
+        ("full", 0.3, 95),
+        ("full", 0.45, 50),
+        ("full", 0.3674, 80),
+        ("balanced", 0.3, 100),
+        ("balanced", 0.45, 95),
+        ("balanced", 0.675, 40),
+        ("balanced", 0.5511, 85),
+    ]:
         put(tmp_path, "conv", 256, policy, 0, rate, 100, good)
 
 
@@ -77,7 +84,9 @@ def test_not_a_probe_file(tmp_path):
 def test_policy_variants_become_server_parameters(tmp_path):
     assert policy_params("balanced") == ("balanced", {})
     assert policy_params("balanced+up_quiet_s=10+down_persist=1") == (
-        "balanced", {"morph_up_quiet_s": "10", "morph_down_persist": "1"})
+        "balanced",
+        {"morph_up_quiet_s": "10", "morph_down_persist": "1"},
+    )
     path = store.ProbeKey("conv", 256, "balanced+up_quiet_s=10", 0, 0.1).path(tmp_path)
     assert path.parent.parent.name == "balanced+up_quiet_s=10"
     with pytest.raises(ValueError, match="expected POLICY\\+NAME=VALUE"):
@@ -90,8 +99,9 @@ def test_warm_bracket_costs_a_seed_two_probes_near_the_previous_capacity(tmp_pat
     for policy, cap in [("full", 0.3), ("balanced", 0.45)]:
         put(tmp_path, "conv", 256, policy, 1, cap, 100, 95)
         put(tmp_path, "conv", 256, policy, 1, round_rate(cap * warm_grow(0.25)), 100, 50)
-    warm = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0, 1], tmp_path, precision=0.25, max_probes=4,
-                warm_bracket=True)
+    warm = Plan(
+        [KINDS["conv"]], [256], ["full", "balanced"], [0, 1], tmp_path, precision=0.25, max_probes=4, warm_bracket=True
+    )
     warm._run_pool(KINDS["conv"], 256, no_server, prompts=None)
     out = capsys.readouterr().out
     assert "seed 1 full: capacity x0.3 (converged, 2 probes)" in out
@@ -105,7 +115,9 @@ def test_warm_bracket_costs_a_seed_two_probes_near_the_previous_capacity(tmp_pat
 def test_overload_probes_every_policy_at_a_multiple_of_fulls_capacity_and_marks_them(tmp_path, capsys):
     # seed 0's searches stored (full x0.3, balanced x0.45): the overload probes at x0.375 are all that is missing
     stored_search(tmp_path)
-    over = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4, overload=1.25)
+    over = Plan(
+        [KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4, overload=1.25
+    )
     with pytest.raises(ServerWanted, match="full"):
         over._run_pool(KINDS["conv"], 256, no_server, prompts=None)
     put(tmp_path, "conv", 256, "full", 0, 0.375, 100, 40)
@@ -113,16 +125,24 @@ def test_overload_probes_every_policy_at_a_multiple_of_fulls_capacity_and_marks_
     over._run_pool(KINDS["conv"], 256, no_server, prompts=None)
     assert capsys.readouterr().out.count("x0.375 (x1.25 full's capacity)") == 2
     for policy in ("full", "balanced"):  # a stored probe at that rate is marked, not run again
-        assert store.load_probe(store.ProbeKey("conv", 256, policy, 0, 0.375).path(tmp_path))["overload_of_full"] == 1.25
+        assert (
+            store.load_probe(store.ProbeKey("conv", 256, policy, 0, 0.375).path(tmp_path))["overload_of_full"] == 1.25
+        )
 
 
 def test_repeats_rerun_the_probes_either_side_of_each_capacity_and_change_no_capacity(tmp_path, capsys):
     stored_search(tmp_path)  # full: pass x0.3, fail x0.3674; balanced: pass x0.45, fail x0.5511
-    again = Plan([KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4,
-                 repeat_nearest=1)
+    again = Plan(
+        [KINDS["conv"]], [256], ["full", "balanced"], [0], tmp_path, precision=0.25, max_probes=4, repeat_nearest=1
+    )
     with pytest.raises(ServerWanted, match="full"):
         again._run_pool(KINDS["conv"], 256, no_server, prompts=None)
-    for policy, rate, good in [("full", 0.3, 85), ("full", 0.3674, 70), ("balanced", 0.45, 96), ("balanced", 0.5511, 91)]:
+    for policy, rate, good in [
+        ("full", 0.3, 85),
+        ("full", 0.3674, 70),
+        ("balanced", 0.45, 96),
+        ("balanced", 0.5511, 91),
+    ]:
         put(tmp_path, "conv", 256, policy, 0, rate, 100, good, repeat=1)
     again._run_pool(KINDS["conv"], 256, no_server, prompts=None)
     out = capsys.readouterr().out

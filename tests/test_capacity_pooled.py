@@ -1,5 +1,6 @@
 """Pooling capacity runs (tools/capacity/pooled.py): per-seed and per-run intervals by hand, runs that did not
 measure the cell are skipped, and the CLI names a missing file."""
+
 import json
 import math
 
@@ -13,18 +14,25 @@ def _policy(per_seed: dict[int, float], ratio: float | None, failed: bool = True
     vals = list(per_seed.values())
     m = sum(vals) / len(vals)
     iv = {"mean": m, "ci95": [None, None], "n": len(vals)}
-    return {"capacity_rate_scale": iv,
-            "ratio_to_full": {"mean": ratio, "ci95": [None, None], "n": len(vals)} if ratio is not None else None,
-            "per_seed": [{"seed": s, "capacity_rate_scale": c, "failed_above": c * 1.05 if failed else None}
-                         for s, c in per_seed.items()]}
+    return {
+        "capacity_rate_scale": iv,
+        "ratio_to_full": {"mean": ratio, "ci95": [None, None], "n": len(vals)} if ratio is not None else None,
+        "per_seed": [
+            {"seed": s, "capacity_rate_scale": c, "failed_above": c * 1.05 if failed else None}
+            for s, c in per_seed.items()
+        ],
+    }
 
 
 def _run(tmp_path, name: str, full: dict, balanced: dict, *, traffic="conv", pool=256, failed=True):
     folder = tmp_path / name
     folder.mkdir()
     ratio = sum(balanced.values()) / sum(full.values())
-    cell = {"traffic": traffic, "pool_tokens": pool,
-            "policies": {"full": _policy(full, 1.0), "balanced": _policy(balanced, ratio, failed)}}
+    cell = {
+        "traffic": traffic,
+        "pool_tokens": pool,
+        "policies": {"full": _policy(full, 1.0), "balanced": _policy(balanced, ratio, failed)},
+    }
     path = folder / "capacity.json"
     path.write_text(json.dumps({"commits": [name], "cells": [cell]}))
     return path
@@ -32,7 +40,7 @@ def _run(tmp_path, name: str, full: dict, balanced: dict, *, traffic="conv", poo
 
 def test_per_seed_and_per_run_intervals_by_hand(tmp_path):
     a = _run(tmp_path, "a", {0: 0.2, 1: 0.25}, {0: 0.4, 1: 0.5})  # ratios 2.0, 2.0; run ratio 2.0
-    b = _run(tmp_path, "b", {3: 0.1, 4: 0.2}, {3: 0.3, 4: 0.2})   # ratios 3.0, 1.0; run ratio 5/3
+    b = _run(tmp_path, "b", {3: 0.1, 4: 0.2}, {3: 0.3, 4: 0.2})  # ratios 3.0, 1.0; run ratio 5/3
     runs = [pooled.read_run(p, "conv", 256, "balanced") for p in (a, b)]
     p = pooled.pool(runs)
     assert p.per_seed.n == 4 and p.per_seed.mean == pytest.approx(2.0)
@@ -46,8 +54,9 @@ def test_target_needs_both_the_mean_and_the_lower_end(tmp_path):
     paths = [_run(tmp_path, f"r{i}", {0: 0.2, 1: 0.2}, {0: 0.4, 1: 0.42}) for i in range(3)]
     p = pooled.pool([pooled.read_run(x, "conv", 256, "balanced") for x in paths])
     assert p.meets_target(p.per_seed) and p.meets_target(p.per_run)
-    wide = pooled.pool([pooled.read_run(_run(tmp_path, "w", {0: 0.2, 1: 0.2}, {0: 0.2, 1: 0.6}), "conv", 256,
-                                        "balanced")])
+    wide = pooled.pool(
+        [pooled.read_run(_run(tmp_path, "w", {0: 0.2, 1: 0.2}, {0: 0.2, 1: 0.6}), "conv", 256, "balanced")]
+    )
     assert wide.per_seed.mean == pytest.approx(2.0) and not wide.meets_target(wide.per_seed)
 
 

@@ -1,4 +1,5 @@
 """The report (tools/capacity/report.py, analysis.py) from hand-made stored probes with known answers."""
+
 import json
 
 import pytest
@@ -46,6 +47,7 @@ def test_a_pass_above_a_fail_does_not_count(tmp_path):
 
 def test_capacities_and_ratio_match_hand_calculation(folder, quality, tmp_path):
     from tools.replay.quality import load_quality
+
     table, _ = load_quality(quality)
     cell = analyse(folder, table)[("conv", 256)]
     full = [c for c, _ in CAPS.values()]
@@ -80,15 +82,21 @@ def test_report_and_json(folder, quality, tmp_path):
     section = text.split("Same seed")[1].split("![")[0]
     assert section.count("| 0 | 0.1 | ") == 2 and "| 1 | 0." not in section
     assert text.count("| conv | 256 |") == 18  # every probe in the log
-    for png in ("attainment_conv_pool256.png", "frontier_conv_pool256.png", "timeline_conv_pool256_full.png",
-                "timeline_conv_pool256_balanced.png"):
+    for png in (
+        "attainment_conv_pool256.png",
+        "frontier_conv_pool256.png",
+        "timeline_conv_pool256_full.png",
+        "timeline_conv_pool256_balanced.png",
+    ):
         assert (folder / png).stat().st_size > 0
     data = json.loads(json_path.read_text())
     assert data["slo"]["ttft_s"] == 2.0 and data["commits"] == ["abc1234"]
     cell = data["cells"][0]
     assert (cell["traffic"], cell["pool_tokens"]) == ("conv", 256)
     assert cell["policies"]["balanced"]["ratio_to_full"]["mean"] == pytest.approx(ratio.mean)
-    assert cell["policies"]["full"]["capacity_req_s"]["mean"] == pytest.approx(10 * sum(c for c, _ in CAPS.values()) / 3)
+    assert cell["policies"]["full"]["capacity_req_s"]["mean"] == pytest.approx(
+        10 * sum(c for c, _ in CAPS.values()) / 3
+    )
 
 
 def test_within_seed_noise_is_reported_beside_capacities_it_does_not_change(folder, quality, tmp_path):
@@ -106,7 +114,9 @@ def test_within_seed_noise_is_reported_beside_capacities_it_does_not_change(fold
     assert "| full | 0 | 0.1 | 95.0% / 92.0% / 85.0% | 10.0 pts | **differ** (pass, pass, fail) |" in text
     assert "verdicts differ in 1 of them" in text
     cell = json.loads(json_path.read_text())["cells"][0]
-    assert cell["policies"]["full"]["capacity_req_s"]["mean"] == pytest.approx(10 * sum(c for c, _ in CAPS.values()) / 3)
+    assert cell["policies"]["full"]["capacity_req_s"]["mean"] == pytest.approx(
+        10 * sum(c for c, _ in CAPS.values()) / 3
+    )
     assert [r["attainments"] for r in cell["within_seed_noise"]] == [[0.95, 0.92, 0.85], [0.6, 0.7, 0.55]]
 
 
@@ -118,9 +128,14 @@ def test_regime_map_with_two_pools(folder, quality, tmp_path, monkeypatch):
 
     drawn = []  # what the map is drawn from: (traffic, pool) -> balanced's ratio to full
     real = plots.regime_map
-    monkeypatch.setattr(plots, "regime_map", lambda path, analysis, policies, *a, **k: (
-        drawn.append({cell: r["balanced"].ratio for cell, r in analysis.items()}),
-        real(path, analysis, policies, *a, **k))[1])
+    monkeypatch.setattr(
+        plots,
+        "regime_map",
+        lambda path, analysis, policies, *a, **k: (
+            drawn.append({cell: r["balanced"].ratio for cell, r in analysis.items()}),
+            real(path, analysis, policies, *a, **k),
+        )[1],
+    )
     write_report(folder, tmp_path / "c.json", quality, "cmd")
     (ratios,) = drawn
     assert set(ratios) == {("conv", 256), ("conv", 1024)}  # one point per pool
@@ -150,6 +165,7 @@ def test_misses_are_sorted_by_cause():
     from tests.capacity_fixtures import records
     from tools.capacity.analysis import misses
     from tools.replay import metrics as rm
+
     recs = records(6, good=4)  # two with a 5 s TTFT
     recs[0].status = "unfinished"
     slow = recs[1]  # TTFT 0.5 s, then 1 s per token

@@ -1,5 +1,6 @@
 """Bisection of one policy's capacity (tools/capacity/search.py), against attainment functions with a known
 threshold."""
+
 import pytest
 
 from tools.capacity.search import Bisection, round_rate, warm_grow
@@ -26,7 +27,7 @@ def test_brackets_up_then_bisects_geometrically():
     s.record(1.0, True)
     assert s.next_rate() == 1.5
     s.record(1.5, False)
-    assert s.next_rate() == round_rate(1.5 ** 0.5)
+    assert s.next_rate() == round_rate(1.5**0.5)
 
 
 def test_brackets_down_when_the_start_fails():
@@ -66,8 +67,9 @@ def test_rates_are_rounded_so_reruns_ask_for_stored_rates():
     assert a.probes == b.probes
 
 
-@pytest.mark.parametrize("kw", [{"start": 0.0}, {"start": 1.0, "precision": 0}, {"start": 1.0, "grow": 1.0},
-                                {"start": 1.0, "max_probes": 0}])
+@pytest.mark.parametrize(
+    "kw", [{"start": 0.0}, {"start": 1.0, "precision": 0}, {"start": 1.0, "grow": 1.0}, {"start": 1.0, "max_probes": 0}]
+)
 def test_bad_settings(kw):
     with pytest.raises(ValueError):
         Bisection(**kw)

@@ -1,4 +1,5 @@
 """Fixed SLOs and attainment (tools/capacity/slo.py)."""
+
 import pytest
 
 from tests.capacity_fixtures import records

@@ -1,5 +1,6 @@
 """tools.capacity end to end against a real server (slow, ~1-2 minutes): one tiny probe of `full` on a thinned
 conv variant, then a rerun that must skip it, then the report. Checks that the instrument works, not results."""
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,28 @@ CONV = ("--traffic", "conv", "--thin", "0.005", "--min-requests", "5", "--pools"
 
 
 def capacity(out: Path, *extra: str, traffic=CONV) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tools.capacity", *traffic, "--start-rate", "0.3", "--policies", "full",
-           "--seeds", "0", "--max-probes", "1", "--out", str(out), "--json", str(out / "capacity.json"), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.capacity",
+        *traffic,
+        "--start-rate",
+        "0.3",
+        "--policies",
+        "full",
+        "--seeds",
+        "0",
+        "--max-probes",
+        "1",
+        "--out",
+        str(out),
+        "--json",
+        str(out / "capacity.json"),
+        *extra,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -56,9 +75,17 @@ def test_a_mixed_chat_probe_keeps_each_requests_class(tmp_path):
     out = tmp_path / "chat"
     # 12 turns of 6 conversations (3 interactive turns) in a 6 s window; a TPOT SLO of 10 ms cuts the drain to
     # ~10 s (the probe fails: it checks the instrument, not the server)
-    capacity(out, "--overload", "0", "--tpot-slo-s", "0.01", traffic=(
-        "--traffic", "chat-kv-mixed", "--thin", "0.003", "--min-requests", "5", "--pools", "2048"))
-    data = json.loads((out / "raw" / "chat-kv-mixed-thin0.003" / "pool2048" / "full" / "seed0" / "x0.3.json").read_text())
+    capacity(
+        out,
+        "--overload",
+        "0",
+        "--tpot-slo-s",
+        "0.01",
+        traffic=("--traffic", "chat-kv-mixed", "--thin", "0.003", "--min-requests", "5", "--pools", "2048"),
+    )
+    data = json.loads(
+        (out / "raw" / "chat-kv-mixed-thin0.003" / "pool2048" / "full" / "seed0" / "x0.3.json").read_text()
+    )
     assert sorted(r["priority"] for r in data["records"]) == [0] * 3 + [5] * 9
     assert any("prefix_reused_tokens" in x for x in data["samples"])  # the reuse counter is sampled
     assert "multi-turn" in data["probe"]["traffic_described"]

@@ -1,5 +1,6 @@
 """95% intervals (tools/capacity/stats.py): the t quantile against table values, the t interval and Fieller's
 ratio interval against hand calculations."""
+
 import math
 
 import pytest
@@ -7,8 +8,7 @@ import pytest
 from tools.capacity.stats import mean_interval, ratio_interval, t_cdf, t_quantile
 
 
-@pytest.mark.parametrize("df,q", [(1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (9, 2.262),
-                                  (30, 2.042)])
+@pytest.mark.parametrize("df,q", [(1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (9, 2.262), (30, 2.042)])
 def test_t_quantile_matches_the_table(df, q):
     assert t_quantile(0.975, df) == pytest.approx(q, abs=1e-3)
 

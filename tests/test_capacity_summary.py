@@ -1,5 +1,6 @@
 """Gathering capacity runs into results/replay/capacity.json (tools/capacity/summary.py): cells grouped by
 traffic and pool across runs, pooled only where two runs measured the policy, SLO mismatches refused."""
+
 import json
 
 from tools.capacity import summary
@@ -58,9 +59,13 @@ def test_a_runs_overload_figures_are_carried_into_its_cell(tmp_path):
 
 
 def test_the_map_draws_lines_where_a_kind_has_them_and_every_point_of_a_kind_that_has_none():
-    ratios = {("conv", 256): {"balanced": "b256", "int4": "i256"}, ("conv", 1024): {"balanced": "b1024"},
-              ("code", 256): {"balanced": "c256"}, ("code", 2048): {"performance": "c2048"},
-              ("conv-thin0.0375", 256): {"balanced": "t256"}}
+    ratios = {
+        ("conv", 256): {"balanced": "b256", "int4": "i256"},
+        ("conv", 1024): {"balanced": "b1024"},
+        ("code", 256): {"balanced": "c256"},
+        ("code", 2048): {"performance": "c2048"},
+        ("conv-thin0.0375", 256): {"balanced": "t256"},
+    }
     m = summary.mapped(ratios)
     assert m[("conv", 256)] == {"balanced": "b256"}  # int4 at one pool only, where conv has a line: left out
     assert m[("conv", 1024)] == {"balanced": "b1024"}

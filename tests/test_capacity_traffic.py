@@ -1,4 +1,5 @@
 """Traffic kinds (tools/capacity/traffic.py): the rate scale sets the speed of one fixed set of requests."""
+
 import pytest
 
 from tools.capacity.traffic import KINDS, kinds

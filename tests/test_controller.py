@@ -1,15 +1,36 @@
 """The controller on synthetic signal traces: bursts swap quickly, quiet restores, steady load never flaps."""
+
 import pytest
 
-from trtllm_backend.controller import (TPOT_PRESSURE_SHARE, TTFT_PRESSURE_SHARE, Controller, Load, Signals, parse_forced,
-                                       parse_policy)
+from trtllm_backend.controller import (
+    TPOT_PRESSURE_SHARE,
+    TTFT_PRESSURE_SHARE,
+    Controller,
+    Load,
+    Signals,
+    parse_forced,
+    parse_policy,
+)
 
 
-def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, tpot=0.0, faster=False):
+def signals(
+    t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, tpot=0.0, faster=False
+):
     head_wait = (1.0 if blocked else 0.0) if head_wait is None else head_wait
-    return Signals(now=t, waiting=waiting, head_wait_s=head_wait, kv_usage=usage, admission_blocked=blocked,
-                   new_preemptions=preempt, head_blocks_short=40 if blocked else 0, blocks_per_layer=16,
-                   int4_layers=int4, usage_after_shrink=after, tpot_s=tpot, swap_speeds_up=faster)
+    return Signals(
+        now=t,
+        waiting=waiting,
+        head_wait_s=head_wait,
+        kv_usage=usage,
+        admission_blocked=blocked,
+        new_preemptions=preempt,
+        head_blocks_short=40 if blocked else 0,
+        blocks_per_layer=16,
+        int4_layers=int4,
+        usage_after_shrink=after,
+        tpot_s=tpot,
+        swap_speeds_up=faster,
+    )
 
 
 def run(controller, trace):
@@ -64,17 +85,20 @@ def test_static_policies_never_act_and_max_is_respected():
     assert int4 == 10  # a third of the layers
 
 
-@pytest.mark.parametrize("spec, overrides, match", [
-    ("fast", None, "morph_policy"),
-    ("int4:x", None, "morph_policy"),
-    ("int4:31", None, "morph_policy"),
-    ("balanced", {"up_kv_usage": 0.95}, "morph_up_kv_usage"),
-    ("balanced", {"layers_per_action": 0}, "morph_layers_per_action"),
-    ("balanced", {"down_kv_usage": "high"}, "morph_down_kv_usage"),
-    ("balanced", {"nope": 1}, "morph_nope"),
-    ("balanced", {"down_tpot_s": -0.1}, "morph_down_tpot_s"),
-    ("balanced", {"up_tpot_ratio": 1.0}, "morph_up_tpot_ratio"),
-])
+@pytest.mark.parametrize(
+    "spec, overrides, match",
+    [
+        ("fast", None, "morph_policy"),
+        ("int4:x", None, "morph_policy"),
+        ("int4:31", None, "morph_policy"),
+        ("balanced", {"up_kv_usage": 0.95}, "morph_up_kv_usage"),
+        ("balanced", {"layers_per_action": 0}, "morph_layers_per_action"),
+        ("balanced", {"down_kv_usage": "high"}, "morph_down_kv_usage"),
+        ("balanced", {"nope": 1}, "morph_nope"),
+        ("balanced", {"down_tpot_s": -0.1}, "morph_down_tpot_s"),
+        ("balanced", {"up_tpot_ratio": 1.0}, "morph_up_tpot_ratio"),
+    ],
+)
 def test_invalid_policies_are_named(spec, overrides, match):
     with pytest.raises(ValueError, match=match):
         parse_policy(spec, 30, overrides)
@@ -97,8 +121,10 @@ def test_a_queue_without_kv_shortage_is_not_pressure():
     """Requests wait because iterations are slow or the batch is full, with KV to spare: quantizing buys
     nothing, so the controller must not act (it used to swap down and up on every arrival)."""
     c = Controller(parse_policy("performance", 30))
-    trace = [dict(waiting=3, usage=0.2, head_wait=0.6, after=0.25) if i % 10 < 3 else dict(usage=0.2, after=0.25)
-             for i in range(400)]
+    trace = [
+        dict(waiting=3, usage=0.2, head_wait=0.6, after=0.25) if i % 10 < 3 else dict(usage=0.2, after=0.25)
+        for i in range(400)
+    ]
     assert run(c, trace) == (0, [])
 
 
@@ -240,12 +266,32 @@ def test_queueing_stops_at_the_policys_limit():
 
 
 def test_signals_are_the_load_plus_the_managers_state():
-    load = Load(now=3.0, waiting=4, head_wait_s=0.7, kv_usage=0.95, admission_blocked=True, new_preemptions=1,
-                head_blocks_short=40, tpot_s=0.02, batch=9)
+    load = Load(
+        now=3.0,
+        waiting=4,
+        head_wait_s=0.7,
+        kv_usage=0.95,
+        admission_blocked=True,
+        new_preemptions=1,
+        head_blocks_short=40,
+        tpot_s=0.02,
+        batch=9,
+    )
     s = Signals.of(load, blocks_per_layer=16, int4_layers=2, usage_after_shrink=0.6, swap_speeds_up=True)
-    assert s == Signals(now=3.0, waiting=4, head_wait_s=0.7, kv_usage=0.95, admission_blocked=True, new_preemptions=1,
-                        head_blocks_short=40, blocks_per_layer=16, int4_layers=2, usage_after_shrink=0.6, tpot_s=0.02,
-                        swap_speeds_up=True)
+    assert s == Signals(
+        now=3.0,
+        waiting=4,
+        head_wait_s=0.7,
+        kv_usage=0.95,
+        admission_blocked=True,
+        new_preemptions=1,
+        head_blocks_short=40,
+        blocks_per_layer=16,
+        int4_layers=2,
+        usage_after_shrink=0.6,
+        tpot_s=0.02,
+        swap_speeds_up=True,
+    )
 
 
 def test_a_restore_called_off_restarts_the_quiet_spell():

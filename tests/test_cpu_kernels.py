@@ -1,4 +1,5 @@
 """The C++ CPU kernels against the torch ops they replace: values, batch independence, bad input, fallback."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,8 @@ from trtllm_backend.manifest import ModelConfig
 
 ns = cpu_kernels.ops()
 needs_kernels = pytest.mark.skipif(
-    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}"
+)
 
 
 @pytest.mark.needs_model
@@ -55,13 +57,16 @@ def test_skinny_linear_takes_strided_input():
 
 
 @needs_kernels
-@pytest.mark.parametrize("bad,match", [
-    (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(3, 9)), "8 features, weight expects 9"),
-    (lambda: ns.skinny_linear(torch.randn(2, 8).double(), torch.randn(3, 8)), "fp32 input and fp32 or fp16 weight"),
-    (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(3, 8).bfloat16()), "got Float and BFloat16"),
-    (lambda: ns.skinny_linear(torch.randn(2, 3, 8), torch.randn(3, 8)), "2-D input"),
-    (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(8, 3).t()), "contiguous 2-D weight"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(3, 9)), "8 features, weight expects 9"),
+        (lambda: ns.skinny_linear(torch.randn(2, 8).double(), torch.randn(3, 8)), "fp32 input and fp32 or fp16 weight"),
+        (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(3, 8).bfloat16()), "got Float and BFloat16"),
+        (lambda: ns.skinny_linear(torch.randn(2, 3, 8), torch.randn(3, 8)), "2-D input"),
+        (lambda: ns.skinny_linear(torch.randn(2, 8), torch.randn(8, 3).t()), "contiguous 2-D weight"),
+    ],
+)
 def test_skinny_linear_rejects_bad_input(bad, match):
     with pytest.raises(RuntimeError, match=match):
         bad()
@@ -147,7 +152,11 @@ def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs(monkeypa
     monkeypatch.setattr(skinny_gemm.cpu_kernels, "ops", lambda: Kernels)
     monkeypatch.setattr(skinny_gemm.F, "linear", mkl)
     w = torch.randn(16, 32)
-    prefill, bf16, decode = torch.randn(skinny_gemm.MAX_ROWS + 1, 32), torch.randn(2, 32).to(torch.bfloat16), torch.randn(2, 32)
+    prefill, bf16, decode = (
+        torch.randn(skinny_gemm.MAX_ROWS + 1, 32),
+        torch.randn(2, 32).to(torch.bfloat16),
+        torch.randn(2, 32),
+    )
     for x in (prefill, bf16):
         ww = w.to(x.dtype)
         calls.clear()
@@ -159,6 +168,7 @@ def test_linear_dispatch_uses_mkl_for_prefill_sized_and_non_fp32_inputs(monkeypa
 
 
 # ---- INT4 linear ----------------------------------------------------------------------------------------------
+
 
 def _int4(n: int, k: int, seed: int = 0, group: int = 32):
     """Random INT4 weight: (packed, affine) as the kernel holds it, and the fp32 reference weight."""
@@ -245,8 +255,10 @@ def test_bf16_prefill_is_close_to_fp32_and_leaves_decode_rows_alone():
     for name in ("float32", "bfloat16"):
         previous = quant_matmul.set_int4_prefill(name)
         try:
-            got[name] = (ns.int4_linear(x, q, a, None, 960, 32, skinny_gemm.MAX_ROWS),
-                         ns.int4_linear(x[:4], q, a, None, 960, 32, skinny_gemm.MAX_ROWS))
+            got[name] = (
+                ns.int4_linear(x, q, a, None, 960, 32, skinny_gemm.MAX_ROWS),
+                ns.int4_linear(x[:4], q, a, None, 960, 32, skinny_gemm.MAX_ROWS),
+            )
         finally:
             quant_matmul.set_int4_prefill(previous)
     err = ((got["bfloat16"][0] - want).norm() / want.norm()).item()
@@ -405,7 +417,9 @@ def test_int4_linear_rows_do_not_depend_on_the_batch_up_to_the_skinny_limit(n, a
     for i in range(9):  # one row and two rows: the in-register path
         assert torch.equal(ns.int4_linear(x[i : i + 1], q, a, None, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 1])
         if i < 8:
-            assert torch.equal(ns.int4_linear(x[i : i + 2], q, a, None, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 2])
+            assert torch.equal(
+                ns.int4_linear(x[i : i + 2], q, a, None, n, 32, skinny_gemm.MAX_ROWS), batched[i : i + 2]
+            )
 
 
 @needs_kernels
@@ -414,8 +428,10 @@ def test_int4_linear_applies_the_pre_scale_as_a_multiply_before_it(m, activation
     q, a, _ = _int4(40, 64)
     x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
     s = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
-    assert torch.equal(ns.int4_linear(x, q, a, s, 40, 32, skinny_gemm.MAX_ROWS),
-                       ns.int4_linear(x * s, q, a, None, 40, 32, skinny_gemm.MAX_ROWS))
+    assert torch.equal(
+        ns.int4_linear(x, q, a, s, 40, 32, skinny_gemm.MAX_ROWS),
+        ns.int4_linear(x * s, q, a, None, 40, 32, skinny_gemm.MAX_ROWS),
+    )
 
 
 @needs_kernels
@@ -450,18 +466,33 @@ def test_int4_operator_uses_the_kernel_and_agrees_with_torchs_bf16_kernel(monkey
     assert theirs._cpp is None and ours.nbytes == theirs.nbytes  # one resident form either way
     for m in (1, 8, 64):
         x = torch.randn(m, 576)
-        torch.testing.assert_close(ours(x), theirs(x), rtol=2e-2, atol=1e-2)  # theirs rounds x and y to bf16 (outputs ~0.5)
+        torch.testing.assert_close(
+            ours(x), theirs(x), rtol=2e-2, atol=1e-2
+        )  # theirs rounds x and y to bf16 (outputs ~0.5)
 
 
 # ---- paged decode attention ----------------------------------------------------------------------------------
 
-CFG = ModelConfig(vocab_size=16, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
-                  head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
-                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
+CFG = ModelConfig(
+    vocab_size=16,
+    hidden_size=48,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=0,
+)
 
 
-def _pool_with_sequences(lens: list[int], segments: tuple[int, ...] = (6, 8, 7),
-                         dtype: torch.dtype = torch.float32, cfg=CFG) -> tuple[KVPool, list[list[int]]]:
+def _pool_with_sequences(
+    lens: list[int], segments: tuple[int, ...] = (6, 8, 7), dtype: torch.dtype = torch.float32, cfg=CFG
+) -> tuple[KVPool, list[list[int]]]:
     """A pool of several segments, random K/V, and one block table per sequence spread over the segments."""
     torch.manual_seed(1)
     pool = KVPool(cfg, block_size=4, dtype=dtype)
@@ -481,7 +512,9 @@ def _attention(pool, tables, lens, q, use_kernel: bool, monkeypatch) -> torch.Te
     """Decode attention through the plan: the C++ op or the torch reference path."""
     if not use_kernel:
         monkeypatch.setattr(attention, "decode_kernel_op", lambda kv_dtype, on_cuda: None)
-    seqs = [attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
+    seqs = [
+        attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))
+    ]
     plan = attention.AttentionPlan(pool, seqs)
     assert (plan.decode_kernel is not None) == use_kernel
     layer = 1
@@ -521,8 +554,10 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_the_batch(monkeypatch
 
 
 @needs_kernels
-@pytest.mark.parametrize("kvh,group,d", [(3, 3, 64), (2, 3, 136), (2, 2, 6), (1, 9, 64), (1, 1, 64), (2, 2, 64),
-                                         (1, 4, 64), (1, 5, 40), (1, 8, 72)])
+@pytest.mark.parametrize(
+    "kvh,group,d",
+    [(3, 3, 64), (2, 3, 136), (2, 2, 6), (1, 9, 64), (1, 1, 64), (2, 2, 64), (1, 4, 64), (1, 5, 40), (1, 8, 72)],
+)
 def test_decode_attention_matches_float64_for_head_shapes(kvh, group, d):
     # 64: SmolLM2's head; 136, 40, 72: register chunks plus 8-wide tails; groups of 1-4 take the values of every
     # head at once, 5-8 one head at a time; 6 and a group of 9: the scalar path. Lengths: 4 keys per pass and
@@ -586,7 +621,9 @@ def _fused_inputs(lens: list[int], seed: int = 5, cfg=CFG):
 
 
 def _decode_plan(pool, tables, lens):
-    seqs = [attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))]
+    seqs = [
+        attention.SeqSlice(start=i, q_len=1, ctx_len=n, block_table=t) for i, (n, t) in enumerate(zip(lens, tables))
+    ]
     return attention.AttentionPlan(pool, seqs)
 
 
@@ -605,9 +642,13 @@ def test_fused_decode_attention_equals_rope_then_pool_write_then_attention(monke
     ref_plan = _decode_plan(ref_pool, tables, lens)
     assert not ref_plan.fused_decode
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=1)
-    ref = paged_attention.paged_attention(apply_rope(q.view(-1, H, D), cos, sin),
-                                          apply_rope(k.view(-1, KVH, D), cos, sin).to(kv_dtype),
-                                          v.reshape(-1, KVH, D).to(kv_dtype), layer, ref_plan).reshape(len(lens), H * D)
+    ref = paged_attention.paged_attention(
+        apply_rope(q.view(-1, H, D), cos, sin),
+        apply_rope(k.view(-1, KVH, D), cos, sin).to(kv_dtype),
+        v.reshape(-1, KVH, D).to(kv_dtype),
+        layer,
+        ref_plan,
+    ).reshape(len(lens), H * D)
     monkeypatch.undo()
     pool, tables2 = _pool_with_sequences(lens, dtype=kv_dtype)
     assert tables2 == tables
@@ -632,7 +673,9 @@ def test_fused_decode_attention_of_a_sequence_does_not_depend_on_the_batch(kv_dt
     for i in range(len(lens)):
         r = slice(i, i + 1)
         plan = _decode_plan(pool, [tables[i]], [lens[i]])
-        assert torch.equal(paged_attention.decode_attention_qkv(qkv[r], cos[r], sin[r], 0, plan, CFG.num_heads), batched[r])
+        assert torch.equal(
+            paged_attention.decode_attention_qkv(qkv[r], cos[r], sin[r], 0, plan, CFG.num_heads), batched[r]
+        )
 
 
 @needs_kernels

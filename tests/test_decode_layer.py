@@ -1,6 +1,7 @@
 """The fused decode layer (plugins/decode_layer.py, csrc/decode_layer.cpp) against the per-op path it replaces:
 bitwise the same output and K/V writes for dense fp32, fp16-stored and INT4 layers, on 1 and 2 threads; a row's
 result independent of its batch; bad input rejected before anything is written; fallbacks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,14 +36,31 @@ def _layer(kind: str, cfg=CFG) -> LayerWeights:
         pre_o = pre_down = None
     else:  # INT4 with AWQ-like pre-scales on o and down, as the fragments have
         make = lambda ws, pre_scale=None: Int4Linear.fused(ws, G, pre_scale)  # noqa: E731
-        pre_o, pre_down = torch.rand(cfg.num_heads * cfg.head_dim, generator=g) + 0.5, torch.rand(cfg.intermediate_size, generator=g) + 0.5
-    return LayerWeights(input_layernorm=t["input_layernorm.weight"], post_attention_layernorm=t["post_attention_layernorm.weight"],
-                        qkv=make([w["q_proj"], w["k_proj"], w["v_proj"]]), o=make([w["o_proj"]], pre_o),
-                        gate_up=make([w["gate_proj"], w["up_proj"]]), down=make([w["down_proj"]], pre_down))
+        pre_o, pre_down = (
+            torch.rand(cfg.num_heads * cfg.head_dim, generator=g) + 0.5,
+            torch.rand(cfg.intermediate_size, generator=g) + 0.5,
+        )
+    return LayerWeights(
+        input_layernorm=t["input_layernorm.weight"],
+        post_attention_layernorm=t["post_attention_layernorm.weight"],
+        qkv=make([w["q_proj"], w["k_proj"], w["v_proj"]]),
+        o=make([w["o_proj"]], pre_o),
+        gate_up=make([w["gate_proj"], w["up_proj"]]),
+        down=make([w["down_proj"]], pre_down),
+    )
 
 
-def _run(weights: LayerWeights, lens: list[int], use_fused: bool, monkeypatch, threads: int = 1, rows=None,
-         expect_fused: bool | None = None, cfg=CFG, kv_dtype: torch.dtype = torch.float32):
+def _run(
+    weights: LayerWeights,
+    lens: list[int],
+    use_fused: bool,
+    monkeypatch,
+    threads: int = 1,
+    rows=None,
+    expect_fused: bool | None = None,
+    cfg=CFG,
+    kv_dtype: torch.dtype = torch.float32,
+):
     """One decode step of layer 1 over sequences `lens` on a fresh pool: (output, the pool's segments)."""
     monkeypatch.setenv("MORPHSERVE_FUSED_DECODE", "1" if use_fused else "0")
     calls = []
@@ -126,7 +144,9 @@ def test_a_stack_of_layers_is_one_call_per_run_of_fusable_layers_and_bitwise_the
             monkeypatch.setenv("MORPHSERVE_FUSED_DECODE", use)
             calls = []
             real = fused.decode_layers
-            monkeypatch.setattr(fused, "decode_layers", lambda h, layers, *a: calls.append(len(layers)) or real(h, layers, *a))
+            monkeypatch.setattr(
+                fused, "decode_layers", lambda h, layers, *a: calls.append(len(layers)) or real(h, layers, *a)
+            )
             pool, tables = _pool_with_sequences(lens)
             plan = _decode_plan(pool, tables, lens)
             h = torch.randn(len(lens), CFG.hidden_size, generator=torch.Generator().manual_seed(2))
@@ -162,7 +182,9 @@ def test_engine_decode_logits_are_bitwise_the_same_fused_or_not(monkeypatch):
         rows[use] = []
         engine.on_logits = lambda rid, row: rows[use].append((rid, row.clone()))
         for i, p in enumerate(PROMPTS[:3]):
-            engine.add_request(p, SamplingParams(max_tokens=5, ignore_eos=True), lambda o: None, request_id=f"{use}-{i}")
+            engine.add_request(
+                p, SamplingParams(max_tokens=5, ignore_eos=True), lambda o: None, request_id=f"{use}-{i}"
+            )
         engine.run_until_idle()
         assert bool(calls) == (use == "1")
     engine.on_logits = None

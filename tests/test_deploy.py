@@ -3,6 +3,7 @@ kinds validated against the Kubernetes 1.37 schemas (kubernetes-validate, strict
 resources checked structurally (their CRD schemas are not available offline), and every metric name the
 autoscaling and routing rules use checked against the server's metric table.
 """
+
 from __future__ import annotations
 
 import re
@@ -78,12 +79,17 @@ def test_renders_and_validates(name):
 
 def test_every_entry_point_is_rendered_here():
     """A new overlay (or component) cannot slip past the checks above."""
-    found = {str(k.parent.relative_to(DEPLOY)): yaml.safe_load(k.read_text())["kind"]
-             for k in DEPLOY.rglob("kustomization.yaml")}
+    found = {
+        str(k.parent.relative_to(DEPLOY)): yaml.safe_load(k.read_text())["kind"]
+        for k in DEPLOY.rglob("kustomization.yaml")
+    }
     overlays = {d for d, kind in found.items() if kind == "Kustomization" and d != "base"}
     assert overlays == set(RENDERINGS)
-    used = {str((DEPLOY / d / c).resolve().relative_to(DEPLOY)) for d in RENDERINGS
-            for c in yaml.safe_load((DEPLOY / d / "kustomization.yaml").read_text()).get("components", [])}
+    used = {
+        str((DEPLOY / d / c).resolve().relative_to(DEPLOY))
+        for d in RENDERINGS
+        for c in yaml.safe_load((DEPLOY / d / "kustomization.yaml").read_text()).get("components", [])
+    }
     assert {d for d, kind in found.items() if kind == "Component"} == used, "a component no overlay renders"
 
 
@@ -148,8 +154,11 @@ def test_deployment_probes_drain_and_parameters(overlay):
     assert (params.get("device") == "cuda") == (overlay == "gpu")
     http = c["ports"][0]
     assert (http["name"], http["containerPort"]) == ("http", int(c["args"][c["args"].index("--http-port") + 1]))
-    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
-                        ("livenessProbe", "/v2/health/live")):
+    for probe, path in (
+        ("startupProbe", "/v2/health/ready"),
+        ("readinessProbe", "/v2/health/ready"),
+        ("livenessProbe", "/v2/health/live"),
+    ):
         assert c[probe]["httpGet"] == {"path": path, "port": "http"}, probe
     # SIGTERM -> the launcher drains for drain_timeout_s; the kubelet must not SIGKILL before that ends.
     drain = parsed.drain_timeout_s if hasattr(parsed, "drain_timeout_s") else float(params["drain_timeout_s"])
@@ -198,8 +207,11 @@ def test_every_autoscaling_and_routing_metric_is_exported():
         promql_uses(rule["seriesQuery"], where)
         promql_uses(rule["metricsQuery"].replace("<<.Series>>", rule["seriesQuery"].split("{")[0]), where)
         assert re.fullmatch(rule["name"]["matches"].strip("^$"), rule["seriesQuery"].split("{")[0]), where
-    adapter_names = {r["name"]["as"]: kind for kind in ("custom", "external")
-                     for r in yaml.safe_load((DEPLOY / "prometheus-adapter" / "values.yaml").read_text())["rules"][kind]}
+    adapter_names = {
+        r["name"]["as"]: kind
+        for kind in ("custom", "external")
+        for r in yaml.safe_load((DEPLOY / "prometheus-adapter" / "values.yaml").read_text())["rules"][kind]
+    }
     hpa = one(render(DEPLOY / "overlays" / "cpu"), "HorizontalPodAutoscaler")
     for m in hpa["spec"]["metrics"]:
         name = m[m["type"].lower()]["metric"]["name"]
@@ -210,8 +222,11 @@ def test_every_autoscaling_and_routing_metric_is_exported():
         promql_uses(trig["metadata"]["query"], f"KEDA trigger {trig['name']}")
     args = one(docs, "Deployment", "morphserve-epp")["spec"]["template"]["spec"]["containers"][0]["args"]
     flags = {a: args[i + 1] for i, a in enumerate(args) if a.endswith("-metric") and args[i + 1]}
-    assert set(flags) == {"--total-queued-requests-metric", "--total-running-requests-metric",
-                          "--kv-cache-usage-percentage-metric"}
+    assert set(flags) == {
+        "--total-queued-requests-metric",
+        "--total-running-requests-metric",
+        "--kv-cache-usage-percentage-metric",
+    }
     for flag, spec in flags.items():
         promql_uses(spec, f"EPP {flag}")
     assert args[args.index("--model-server-metrics-port") + 1] == "8002"

@@ -1,5 +1,6 @@
 """deploy/sizing.py: the shape arithmetic against the measured fragments, the GPU scaling, the trace statistics
 and clear errors on bad inputs."""
+
 from __future__ import annotations
 
 import json

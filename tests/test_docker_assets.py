@@ -2,6 +2,7 @@
 
 The end-to-end run (image build, `docker compose up`, requests, Prometheus) is docker/test_compose.sh.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,10 +47,16 @@ EXPORTED = {
     "morphserve_prefix_cache_hit_rate": {},
     "morphserve_requests_waiting_by_priority": {"priority": PRIORITY_LABELS},
 }
-HISTOGRAMS = {"morphserve_time_to_first_token_seconds", "morphserve_time_per_output_token_seconds",
-              "morphserve_e2e_request_latency_seconds", "morphserve_request_queue_time_seconds",
-              "morphserve_swap_prepare_seconds", "morphserve_swap_apply_seconds",
-              "morphserve_priority_time_to_first_token_seconds", "morphserve_priority_request_queue_time_seconds"}
+HISTOGRAMS = {
+    "morphserve_time_to_first_token_seconds",
+    "morphserve_time_per_output_token_seconds",
+    "morphserve_e2e_request_latency_seconds",
+    "morphserve_request_queue_time_seconds",
+    "morphserve_swap_prepare_seconds",
+    "morphserve_swap_apply_seconds",
+    "morphserve_priority_time_to_first_token_seconds",
+    "morphserve_priority_request_queue_time_seconds",
+}
 NAME_RE = re.compile(r"\bmorphserve_[a-z0-9_]+")
 
 
@@ -111,8 +118,16 @@ def test_dashboard_layout_and_datasource():
         assert not (cells & mine), f"panel {p['title']!r} overlaps another"
         cells |= mine
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for topic in ("request rate", "waiting", "time to first token", "time per output token", "kv cache blocks",
-                  "int4 layers", "swaps", "resizes"):
+    for topic in (
+        "request rate",
+        "waiting",
+        "time to first token",
+        "time per output token",
+        "kv cache blocks",
+        "int4 layers",
+        "swaps",
+        "resizes",
+    ):
         assert topic in titles, f"the dashboard lacks a {topic!r} panel"
 
 
@@ -130,8 +145,15 @@ def test_compose_services_and_profiles():
     for name, s in svc.items():
         assert s["network_mode"] == "host", name
     text = (DOCKER / "compose.yaml").read_text()
-    for var in ("MORPHSERVE_HTTP_PORT", "MORPHSERVE_GRPC_PORT", "MORPHSERVE_METRICS_PORT", "MORPHSERVE_POLICY",
-                "MORPHSERVE_MEMORY_BUDGET_BYTES", "PROMETHEUS_PORT", "GRAFANA_PORT"):
+    for var in (
+        "MORPHSERVE_HTTP_PORT",
+        "MORPHSERVE_GRPC_PORT",
+        "MORPHSERVE_METRICS_PORT",
+        "MORPHSERVE_POLICY",
+        "MORPHSERVE_MEMORY_BUDGET_BYTES",
+        "PROMETHEUS_PORT",
+        "GRAFANA_PORT",
+    ):
         assert "${" + var + ":-" in text, f"{var} needs a default"
     for mount in svc["prometheus"]["volumes"] + svc["grafana"]["volumes"]:
         assert (DOCKER / mount.split(":")[0]).exists(), mount
@@ -184,8 +206,10 @@ def replica_params(service: str, env: dict[str, str]) -> dict[str, str]:
 
 def test_replicas_have_their_own_ports_and_the_balancer_knows_them():
     svc = compose()["services"]
-    ports = [tuple(resolve(svc[r]["environment"][f"MORPHSERVE_{k}_PORT"]) for k in ("HTTP", "GRPC", "METRICS"))
-             for r in ("replica-1", "replica-2")]
+    ports = [
+        tuple(resolve(svc[r]["environment"][f"MORPHSERVE_{k}_PORT"]) for k in ("HTTP", "GRPC", "METRICS"))
+        for r in ("replica-1", "replica-2")
+    ]
     assert len({p for trio in ports for p in trio}) == 6, f"two replicas share a port: {ports}"
     lb = {k: resolve(v) for k, v in svc["lb"]["environment"].items()}
     assert (lb["REPLICA1_HTTP_PORT"], lb["REPLICA1_GRPC_PORT"]) == ports[0][:2]
@@ -210,11 +234,20 @@ def test_haproxy_config():
     assert re.search(r"^frontend grpc\n\s+bind \S+ proto h2$", cfg, re.M), "the gRPC frontend must speak h2"
     haproxy = shutil.which("haproxy")
     if haproxy:
-        env = dict(os.environ, LB_BIND_ADDR="127.0.0.1", LB_HTTP_PORT="18000", LB_GRPC_PORT="18001",
-                   LB_ADMIN_PORT="18404", REPLICA1_HTTP_PORT="18100", REPLICA1_GRPC_PORT="18101",
-                   REPLICA2_HTTP_PORT="18200", REPLICA2_GRPC_PORT="18201")
-        r = subprocess.run([haproxy, "-c", "-f", str(DOCKER / "lb" / "haproxy.cfg")], env=env,
-                           capture_output=True, text=True)
+        env = dict(
+            os.environ,
+            LB_BIND_ADDR="127.0.0.1",
+            LB_HTTP_PORT="18000",
+            LB_GRPC_PORT="18001",
+            LB_ADMIN_PORT="18404",
+            REPLICA1_HTTP_PORT="18100",
+            REPLICA1_GRPC_PORT="18101",
+            REPLICA2_HTTP_PORT="18200",
+            REPLICA2_GRPC_PORT="18201",
+        )
+        r = subprocess.run(
+            [haproxy, "-c", "-f", str(DOCKER / "lb" / "haproxy.cfg")], env=env, capture_output=True, text=True
+        )
         assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -222,8 +255,10 @@ def compose_cli() -> list[str] | None:
     """docker compose v2: the CLI plugin test_compose.sh installs, a system one, or a v2 docker-compose."""
     for cfg in (ROOT / "build/docker/config", None):
         env = dict(os.environ, **({"DOCKER_CONFIG": str(cfg)} if cfg else {}))
-        if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], env=env,
-                                                     capture_output=True).returncode == 0:
+        if (
+            shutil.which("docker")
+            and subprocess.run(["docker", "compose", "version"], env=env, capture_output=True).returncode == 0
+        ):
             return ["env", f"DOCKER_CONFIG={cfg}", "docker", "compose"] if cfg else ["docker", "compose"]
     exe = shutil.which("docker-compose")
     if exe and b"v2." in subprocess.run([exe, "version"], capture_output=True).stdout:
@@ -237,12 +272,16 @@ def test_compose_config_is_valid(profiles):
     if cli is None:
         pytest.skip("no compose v2 here (docker/test_compose.sh installs one and runs the same check)")
     args = [a for p in profiles for a in ("--profile", p)]
-    r = subprocess.run([*cli, "-f", str(DOCKER / "compose.yaml"), *args, "config", "--services"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [*cli, "-f", str(DOCKER / "compose.yaml"), *args, "config", "--services"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
-    expect = {"triton"} | ({"prometheus", "grafana"} if "monitoring" in profiles else set()) \
-        | ({"triton-gpu"} if "gpu" in profiles else set()) \
+    expect = (
+        {"triton"}
+        | ({"prometheus", "grafana"} if "monitoring" in profiles else set())
+        | ({"triton-gpu"} if "gpu" in profiles else set())
         | ({"replica-1", "replica-2", "lb"} if "replicas" in profiles else set())
+    )
     assert set(r.stdout.split()) == expect
 
 
@@ -267,7 +306,9 @@ def test_prometheus_config():
         assert f"s/localhost:{port}/" in " ".join(svc["prometheus"]["command"]), f"compose does not rewrite {port}"
     promtool = shutil.which("promtool")
     if promtool:
-        r = subprocess.run([promtool, "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True, text=True)
+        r = subprocess.run(
+            [promtool, "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True, text=True
+        )
         assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -1,6 +1,7 @@
 """No reference to a file that does not exist: relative links in the Markdown pages, `docs/...` paths named in
 the source, and Markdown file names the source cites (a design file kept outside the repository reads as a
 broken promise to a newcomer). Model-free, seconds."""
+
 from __future__ import annotations
 
 import os
@@ -65,16 +66,27 @@ def test_every_relative_link_resolves(page: Path):
 
 
 def test_docs_paths_in_the_source_exist():
-    missing = sorted({f"{src.relative_to(ROOT)}: {path}" for src in source_files()
-                      for path in DOCS_PATH.findall(src.read_text(errors="replace"))
-                      if not (ROOT / path).exists()})
+    missing = sorted(
+        {
+            f"{src.relative_to(ROOT)}: {path}"
+            for src in source_files()
+            for path in DOCS_PATH.findall(src.read_text(errors="replace"))
+            if not (ROOT / path).exists()
+        }
+    )
     assert missing == [], "the source names docs that do not exist"
 
 
 def test_markdown_files_the_source_cites_are_in_the_repository():
     names = {p.name for p in walk(ROOT) if p.suffix == ".md"}
-    cited = sorted({f"{src.relative_to(ROOT)}: {name}" for src in source_files()
-                    for name in CAPS_MD.findall(src.read_text(errors="replace")) if name not in names})
+    cited = sorted(
+        {
+            f"{src.relative_to(ROOT)}: {name}"
+            for src in source_files()
+            for name in CAPS_MD.findall(src.read_text(errors="replace"))
+            if name not in names
+        }
+    )
     assert cited == [], "the source cites Markdown files the repository does not have"
 
 

@@ -1,4 +1,5 @@
 """plugins.elementwise: the C++ row-wise layer ops against torch's, batch independence, bad input, fallback."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,8 @@ from plugins import cpu_kernels, elementwise
 
 ns = cpu_kernels.ops()
 needs_kernels = pytest.mark.skipif(
-    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}"
+)
 EPS = 1e-5
 
 
@@ -84,15 +86,18 @@ def test_strided_input_is_accepted():
 
 
 @needs_kernels
-@pytest.mark.parametrize("bad,match", [
-    (lambda: ns.rms_norm(torch.randn(2, 8).double(), torch.randn(8), EPS), "rms_norm: input must be a 2-D fp32"),
-    (lambda: ns.rms_norm(torch.randn(8), torch.randn(8), EPS), "rms_norm: input must be a 2-D fp32"),
-    (lambda: ns.rms_norm(torch.randn(2, 8), torch.randn(9), EPS), "weight must be a contiguous fp32 vector of 8"),
-    (lambda: ns.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), EPS), "differ in shape"),
-    (lambda: ns.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).half(), torch.randn(8), EPS), "delta must be"),
-    (lambda: ns.silu_mul(torch.randn(2, 7)), "odd number of features"),
-    (lambda: ns.silu_mul(torch.randn(2, 8, 2)), "gate_up must be a 2-D fp32"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: ns.rms_norm(torch.randn(2, 8).double(), torch.randn(8), EPS), "rms_norm: input must be a 2-D fp32"),
+        (lambda: ns.rms_norm(torch.randn(8), torch.randn(8), EPS), "rms_norm: input must be a 2-D fp32"),
+        (lambda: ns.rms_norm(torch.randn(2, 8), torch.randn(9), EPS), "weight must be a contiguous fp32 vector of 8"),
+        (lambda: ns.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), EPS), "differ in shape"),
+        (lambda: ns.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).half(), torch.randn(8), EPS), "delta must be"),
+        (lambda: ns.silu_mul(torch.randn(2, 7)), "odd number of features"),
+        (lambda: ns.silu_mul(torch.randn(2, 8, 2)), "gate_up must be a 2-D fp32"),
+    ],
+)
 def test_bad_input_is_rejected_by_name(bad, match):
     with pytest.raises(RuntimeError, match=match):
         bad()

@@ -1,5 +1,6 @@
 """The engine's public API for tools: abort_all, forced morph actions through EngineConfig, settle_morph, and
 stats() that reads without side effects."""
+
 from __future__ import annotations
 
 import threading
@@ -23,7 +24,9 @@ def add(engine, n, max_tokens=50):
                 done.set()
 
     for i in range(n):
-        engine.add_request(PROMPTS[i], SamplingParams(max_tokens=max_tokens, ignore_eos=True), on_output, request_id=f"r{i}")
+        engine.add_request(
+            PROMPTS[i], SamplingParams(max_tokens=max_tokens, ignore_eos=True), on_output, request_id=f"r{i}"
+        )
     return finals, done
 
 

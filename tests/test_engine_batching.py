@@ -1,4 +1,5 @@
 """Continuous batching and preemption give the tokens of lone greedy runs (near-tie rule)."""
+
 import pytest
 from engine_fixtures import PROMPTS, assert_same_up_to_near_tie, make_engine, run_greedy
 

@@ -1,4 +1,5 @@
 """Bad input is refused before any memory is taken, with the field named; bad fragments fail the load."""
+
 import os
 
 import pytest
@@ -60,7 +61,9 @@ def test_abort_frees_blocks_within_an_iteration(engine):
 
 @pytest.mark.needs_model
 def test_stop_string_min_tokens_and_max_tokens(engine):
-    text = "".join(o.text for o in engine.generate("The capital of France is", SamplingParams(max_tokens=10, stop=["."])))
+    text = "".join(
+        o.text for o in engine.generate("The capital of France is", SamplingParams(max_tokens=10, stop=["."]))
+    )
     assert text == " Paris"
     outs = list(engine.generate("The capital of France is", SamplingParams(max_tokens=5, ignore_eos=True)))
     assert outs[-1].num_output_tokens == 5 and outs[-1].finish_reason == "length"

@@ -1,4 +1,5 @@
 """The near-tie rule the batching tests compare greedy runs with: only the gap where the runs part excuses it."""
+
 import pytest
 from engine_fixtures import NEAR_TIE, assert_same_up_to_near_tie
 

@@ -1,5 +1,6 @@
 """Request priorities through the engine: the field reaches the scheduler and the outputs, a bad one is refused
 with its name, and only the classes within morph_priority_cutoff are load for the morph controller."""
+
 import pytest
 from engine_fixtures import PROMPTS, make_engine
 
@@ -19,16 +20,18 @@ def signals_of(engine) -> list:
 def burst(engine, priority: int, n: int = 6) -> list:
     outs = []
     for i in range(n):
-        engine.add_request(f"{i}. " + PROMPTS[5], SamplingParams(max_tokens=24, ignore_eos=True, priority=priority),
-                           outs.append)
+        engine.add_request(
+            f"{i}. " + PROMPTS[5], SamplingParams(max_tokens=24, ignore_eos=True, priority=priority), outs.append
+        )
     return outs
 
 
 @pytest.mark.parametrize("cutoff, counted", [(0, False), (10, True)])
 def test_only_the_classes_within_the_cutoff_drive_morphing(cutoff, counted):
     # A pool of 16 blocks: six ~7-block requests queue for KV.
-    engine = make_engine(morph_policy="balanced", max_tokens_in_paged_kv_cache=400, tpot_slo_s=0.0,
-                         morph_priority_cutoff=cutoff)
+    engine = make_engine(
+        morph_policy="balanced", max_tokens_in_paged_kv_cache=400, tpot_slo_s=0.0, morph_priority_cutoff=cutoff
+    )
     seen = signals_of(engine)
     outs = burst(engine, priority=5)
     engine.run_until_idle()

@@ -1,4 +1,5 @@
 """The engine against an independent reference: transformers' own GGUF loader on the same file."""
+
 import pytest
 import torch
 from engine_fixtures import make_engine
@@ -68,7 +69,9 @@ def test_decode_matches_full_prefill_logits(engine):
     engine.add_request(engine.tokenizer.decode(ids[:30]), SamplingParams(max_tokens=1), lambda o: None)
     engine.run_until_idle()
     engine.on_logits = None
-    rel = (steps[0] - full[len(engine.tokenizer.encode(engine.tokenizer.decode(ids[:30]))) - 1]).abs().max() / full.abs().max()
+    rel = (
+        steps[0] - full[len(engine.tokenizer.encode(engine.tokenizer.decode(ids[:30]))) - 1]
+    ).abs().max() / full.abs().max()
     assert rel < 1e-4
 
 

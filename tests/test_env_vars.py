@@ -1,6 +1,7 @@
 """The registry of environment variables (trtllm_backend/env_vars.py): every `MORPHSERVE_*` name that the code,
 the scripts and the Docker files use is in it and in the generated table of docs/configuration.md, and every
 name in it is used somewhere. Model-free, seconds."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,14 @@ def constants() -> dict[str, EnvVar]:
 
 def test_the_scan_sees_the_code():
     rel = {str(p.relative_to(ROOT)) for p in CODE}
-    assert {"Makefile", "docker/compose.yaml", "docker/test_compose.sh", "plugins/cpu_kernels.py",
-            "trtllm_backend/serve.py", "tests/test_fuzz_server.py"} <= rel
+    assert {
+        "Makefile",
+        "docker/compose.yaml",
+        "docker/test_compose.sh",
+        "plugins/cpu_kernels.py",
+        "trtllm_backend/serve.py",
+        "tests/test_fuzz_server.py",
+    } <= rel
 
 
 def test_every_name_in_the_code_is_in_the_registry():
@@ -58,8 +65,11 @@ def test_every_name_in_the_code_is_in_the_registry():
 def test_every_name_in_the_registry_is_used():
     """Used: spelled out in the code (a shell or Compose file, the kernels, a test) or read through the registry."""
     text = "\n".join(CODE.values())
-    unused = sorted(v.name for const, v in constants().items()
-                    if v.name not in text and not re.search(rf"\benv_vars\.{const}\b", text))
+    unused = sorted(
+        v.name
+        for const, v in constants().items()
+        if v.name not in text and not re.search(rf"\benv_vars\.{const}\b", text)
+    )
     assert unused == [], "nothing reads these: remove them from trtllm_backend/env_vars.py"
 
 

@@ -1,6 +1,7 @@
 """tools.eval_quality's perplexity on a hand-computed case: a bigram model whose next-token probabilities are a
 known table, scored through the real OfflineModel.nll (shift by one, summed cross-entropy) and the tool's
 token-weighted aggregation over batches."""
+
 import math
 
 import pytest
@@ -10,8 +11,7 @@ from engines.offline_model import OfflineModel
 from tools.eval_quality import perplexity
 
 # P[current token, next token]
-BIGRAM = torch.tensor([[0.50, 0.50],
-                       [0.25, 0.75]], dtype=torch.float64)
+BIGRAM = torch.tensor([[0.50, 0.50], [0.25, 0.75]], dtype=torch.float64)
 
 
 class BigramModel(OfflineModel):
@@ -40,9 +40,13 @@ def test_perplexity_of_one_window_by_hand():
 
 
 def test_windows_are_pooled_by_token_not_averaged_by_batch():
-    ids = torch.tensor([[0, 0, 0],    # 0.5, 0.5
-                        [1, 1, 1],    # 0.75, 0.75
-                        [1, 0, 1]])   # 0.25, 0.5
+    ids = torch.tensor(
+        [
+            [0, 0, 0],  # 0.5, 0.5
+            [1, 1, 1],  # 0.75, 0.75
+            [1, 0, 1],
+        ]
+    )  # 0.25, 0.5
     probs = [0.5, 0.5, 0.75, 0.75, 0.25, 0.5]
     expected = math.exp(-sum(math.log(p) for p in probs) / len(probs))
     for batch in (1, 2, 3):  # a batch of 2 splits the windows 2 + 1: still one token-weighted mean

@@ -1,6 +1,7 @@
 """An iteration that raises (a fault injected into the real engine's sampling step) fails only the requests it
 was running, with an error; the engine thread lives on and serves the next request. Before this, the engine
 thread died and every request hung (the fuzzer found one such input: tests/test_fuzz_server.py)."""
+
 import time
 
 import pytest

@@ -3,6 +3,7 @@ at swap time, a full fragment removed or corrupted between a swap down and its r
 long time, and 100 requests cancelled mid-generation during a morph. In each, serving goes on, every request
 ends exactly once, and the invariant checker finds nothing. (A corrupt fragment: tests/test_morph.py; over
 the wire with its metric: tests/test_faults_server.py.)"""
+
 import logging
 import time
 
@@ -23,8 +24,12 @@ def submit(engine, n: int, max_tokens: int, prefix: str = "p") -> dict[str, list
     for i in range(n):
         rid = f"{prefix}{i}"
         outs[rid] = []
-        engine.add_request(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                           outs[rid].append, request_id=rid)
+        engine.add_request(
+            PROMPTS[i % len(PROMPTS)],
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            outs[rid].append,
+            request_id=rid,
+        )
     return outs
 
 
@@ -132,8 +137,9 @@ def test_a_budget_too_small_to_stage_gives_the_swap_up_once(caplog):
 def test_a_restore_blocked_by_live_blocks_waits_and_serving_goes_on(layer_set):
     # A small base pool: after one swap the long requests spill into the added segment. The restore at
     # iteration 40 cannot move their blocks anywhere (the base pool is full), so it waits while they generate.
-    engine = make_engine(max_tokens_in_paged_kv_cache=256, max_batch_size=8, force_morph="down:1@0,up:1@40",
-                         fragment_dir=str(layer_set))
+    engine = make_engine(
+        max_tokens_in_paged_kv_cache=256, max_batch_size=8, force_morph="down:1@0,up:1@40", fragment_dir=str(layer_set)
+    )
     assert engine.settle_morph(timeout_s=120) and engine.num_quantized_layers() == 1
     _, added = engine.pool.segments
     outs = submit(engine, 6, 80)

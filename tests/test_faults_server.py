@@ -4,6 +4,7 @@ supervisor restarts it; the Docker test checks the restart policy); the stub or 
 restore drains its KV segment (the launcher exits non-zero, leaves no shared memory or files, and a restart on
 the same ports serves); the server's log on a full disk; the metrics port taken, or its endpoint held by a
 client that never finishes its request. SIGTERM faults: tests/test_sigterm.py."""
+
 from __future__ import annotations
 
 import os
@@ -29,17 +30,25 @@ def test_corrupt_fragment_at_swap_time_over_the_wire(tmp_path, monkeypatch):
     frags, _ = damaged_fragment_copy(tmp_path / "fragments")
     monkeypatch.setenv("MORPHSERVE_FORCE_MORPH", "down:1@1")  # the test hook reaches the stub through the env
     http, grpc, metrics_port = free_ports(3)
-    srv = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
-                       params=TEST_SERVER_PARAMS | {"fragment_dir": str(frags)}, build_dir=tmp_path,
-                       log_path=tmp_path / "server.log", exit_timeout_s=10)
+    srv = serve.launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics_port,
+        params=TEST_SERVER_PARAMS | {"fragment_dir": str(frags)},
+        build_dir=tmp_path,
+        log_path=tmp_path / "server.log",
+        exit_timeout_s=10,
+    )
     try:
         s = GrpcStream(srv.grpc_url)
         for i in range(3):  # served through the failed swap and after it
             r = s.request(inputs(text_input=f"Request {i}: the capital of France is", max_tokens=8, stream=True))
             assert r.error is None and sum(r.counts) == 8, r
         s.close()
-        m = wait_for(lambda: (lambda m: m if m.get("morphserve_swap_failures_total") == 1 else None)(metrics(srv)),
-                     timeout=30)
+        m = wait_for(
+            lambda: (lambda m: m if m.get("morphserve_swap_failures_total") == 1 else None)(metrics(srv)), timeout=30
+        )
         assert m, metrics(srv)
         assert m["morphserve_int4_layers"] == 0 and m["morphserve_invariant_violations_total"] == 0
         assert "cannot load layer" in srv.log_path.read_text()
@@ -105,8 +114,12 @@ def test_killed_mid_restore_then_a_restart_serves(tmp_path, victim):
         pids = launcher.server_pids()
         prefix = _shm_prefix(pids)
         assert prefix.startswith(SHM_PREFIX) and list(Path("/dev/shm").glob(prefix + "*"))
-        target = [p for p in pids if ("stub" in open(f"/proc/{p}/cmdline").read()) == (victim == "stub")
-                  and (victim == "stub" or "tritonserver" in open(f"/proc/{p}/cmdline").read())]
+        target = [
+            p
+            for p in pids
+            if ("stub" in open(f"/proc/{p}/cmdline").read()) == (victim == "stub")
+            and (victim == "stub" or "tritonserver" in open(f"/proc/{p}/cmdline").read())
+        ]
         assert len(target) == 1, (victim, pids)
         os.kill(target[0], signal.SIGKILL)
         code = launcher.process.wait(60)
@@ -137,9 +150,16 @@ def test_a_full_disk_under_the_server_log_does_not_stop_serving(tmp_path):
 
     http, grpc, metrics_port = free_ports(3)
     # /dev/full fails every write with ENOSPC: Triton's log, the stub's stderr (every INFO line of the engine)
-    srv = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
-                       params=TEST_SERVER_PARAMS | {"morph_policy": "balanced"}, build_dir=tmp_path,
-                       log_path="/dev/full", exit_timeout_s=10)
+    srv = serve.launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics_port,
+        params=TEST_SERVER_PARAMS | {"morph_policy": "balanced"},
+        build_dir=tmp_path,
+        log_path="/dev/full",
+        exit_timeout_s=10,
+    )
     try:
         s = GrpcStream(srv.grpc_url)
         for i in range(3):
@@ -177,9 +197,16 @@ def test_a_metrics_client_that_never_finishes_does_not_stop_inference(tmp_path):
     from trtllm_backend import serve
 
     http, grpc, metrics_port = free_ports(3)
-    srv = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
-                       params=TEST_SERVER_PARAMS, build_dir=tmp_path, log_path=tmp_path / "server.log",
-                       exit_timeout_s=10)
+    srv = serve.launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics_port,
+        params=TEST_SERVER_PARAMS,
+        build_dir=tmp_path,
+        log_path=tmp_path / "server.log",
+        exit_timeout_s=10,
+    )
     stalled = []
     try:
         for _ in range(8):  # scrapers that send half a request and hold the connection

@@ -7,6 +7,7 @@ stays ready; once idle again every KV block is free and the memory account is ba
 A few hundred cases by default; MORPHSERVE_SOAK=1 (make soak) runs 2,400. MORPHSERVE_FUZZ_SEED replays a run
 (the seed is printed); hypothesis shrinks a failure to a minimal example.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,8 +37,9 @@ pytestmark = [pytest.mark.needs_model, pytest.mark.server] + ([pytest.mark.soak]
 CASES = 1200 if SOAK else 150  # per transport
 SEED = int(os.environ.get("MORPHSERVE_FUZZ_SEED") or random.SystemRandom().randrange(2**32))
 print(f"[fuzz] seed {SEED} ({CASES} cases per transport); replay with MORPHSERVE_FUZZ_SEED={SEED}")
-FUZZ = settings(max_examples=CASES, deadline=None, database=None, print_blob=True,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=CASES, deadline=None, database=None, print_blob=True, suppress_health_check=list(HealthCheck)
+)
 # The model's inputs as config.pbtxt declares them: both TensorRT-LLM name sets, from the model's one table.
 KNOWN = {name: _TYPES[spec.dtype] for spec in INPUTS for name in spec.names}
 WIRE_TYPES = ["BYTES", "INT32", "INT64", "UINT64", "FP32", "BOOL"]
@@ -48,24 +50,39 @@ odd_text = st.one_of(
     st.text(max_size=40),  # any Unicode, surrogates excluded (they cannot be encoded)
     st.sampled_from(["", " ", "\x00", "\u202e\u200b", "🦙" * 50, "a" * 20000, "\ufeffHello", "Ω≈ç√∫"]),
 )
-odd_bytes = st.one_of(odd_text.map(lambda s: s.encode()), st.binary(max_size=32),
-                      st.sampled_from([b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80", b"Hi \x80 there"]))
+odd_bytes = st.one_of(
+    odd_text.map(lambda s: s.encode()),
+    st.binary(max_size=32),
+    st.sampled_from([b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80", b"Hi \x80 there"]),
+)
 odd_number = st.one_of(
-    st.integers(-2**63, 2**64 - 1),
-    st.sampled_from([0, -1, 1, 2**31 - 1, -2**31, 2**32, 2**63 - 1, 2**64 - 1]),
+    st.integers(-(2**63), 2**64 - 1),
+    st.sampled_from([0, -1, 1, 2**31 - 1, -(2**31), 2**32, 2**63 - 1, 2**64 - 1]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0.5, -0.0, 1e-45, 3.4e38, -2.0, 2.0000001]),
 )
 # Inputs that pass validation with small values, so valid requests finish at once.
 fast_valid = {
-    "max_tokens": st.integers(1, MAX_FAST_TOKENS), "temperature": st.floats(0, 2), "top_k": st.integers(0, 50),
-    "top_p": st.floats(0.01, 1), "random_seed": st.integers(0, 2**64 - 1), "seed": st.integers(0, 2**64 - 1),
-    "frequency_penalty": st.floats(-2, 2), "presence_penalty": st.floats(-2, 2), "min_length": st.integers(0, 2),
-    "stream": st.booleans(), "exclude_input_in_output": st.booleans(), "beam_width": st.just(1),
+    "max_tokens": st.integers(1, MAX_FAST_TOKENS),
+    "temperature": st.floats(0, 2),
+    "top_k": st.integers(0, 50),
+    "top_p": st.floats(0.01, 1),
+    "random_seed": st.integers(0, 2**64 - 1),
+    "seed": st.integers(0, 2**64 - 1),
+    "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "min_length": st.integers(0, 2),
+    "stream": st.booleans(),
+    "exclude_input_in_output": st.booleans(),
+    "beam_width": st.just(1),
     "stop_words": st.lists(st.text(min_size=1, max_size=5), max_size=3),
-    "sampling_param_temperature": st.floats(0, 2), "sampling_param_top_p": st.floats(0.01, 1),
-    "sampling_param_seed": st.integers(0, 2**64 - 1), "streaming": st.booleans(), "top_logprobs": st.integers(0, 5),
-    "return_log_probs": st.booleans(), "return_prompt_log_probs": st.booleans(),
+    "sampling_param_temperature": st.floats(0, 2),
+    "sampling_param_top_p": st.floats(0.01, 1),
+    "sampling_param_seed": st.integers(0, 2**64 - 1),
+    "streaming": st.booleans(),
+    "top_logprobs": st.integers(0, 5),
+    "return_log_probs": st.booleans(),
+    "return_prompt_log_probs": st.booleans(),
     "sampling_param_return_perf_metrics": st.booleans(),
 }
 
@@ -105,8 +122,11 @@ def grpc_request(draw):
     """A list of inputs: a usual request with some inputs made odd, unknown or duplicated (a third are valid)."""
     clean = not draw(st.integers(0, 2))
     names = ["text_input"] if clean or draw(st.integers(0, 5)) else []
-    names += draw(st.lists(st.sampled_from(sorted(set(KNOWN) - {"stop", "text_input"} if clean else KNOWN)),
-                           max_size=5, unique=True))
+    names += draw(
+        st.lists(
+            st.sampled_from(sorted(set(KNOWN) - {"stop", "text_input"} if clean else KNOWN)), max_size=5, unique=True
+        )
+    )
     if not clean and not draw(st.integers(0, 6)):
         names.append(draw(st.sampled_from(["foo", "TEXT_INPUT", "text_input ", "ünïcødé", "max_tokens\x00"])))
     if names and not clean and not draw(st.integers(0, 8)):
@@ -121,26 +141,40 @@ def _as_json(value):
     return value.tolist() if isinstance(value, np.ndarray) else value
 
 
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), odd_text,
-                        st.floats(allow_nan=False, allow_infinity=False))
-json_value = st.recursive(json_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                              st.dictionaries(st.text(max_size=5), inner, max_size=3)),
-                          max_leaves=6)
+json_scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), odd_text, st.floats(allow_nan=False, allow_infinity=False)
+)
+json_value = st.recursive(
+    json_scalar,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=6,
+)
 
 
 @st.composite
 def http_body(draw):
     """(raw body bytes, names sent): JSON objects with odd values, or raw bytes that are barely JSON."""
     if not draw(st.integers(0, 9)):
-        raw = draw(st.sampled_from([b"", b"{", b"[]", b"null", b'{"text_input": "\xff\xfe"}', b"\xc3\x28",
-                                    b'{"text_input": "a", "text_input": "b", "max_tokens": 1}',
-                                    b'{"text_input": "Hi", "max_tokens": NaN}', b'{"max_tokens": 1e999}']))
+        raw = draw(
+            st.sampled_from(
+                [
+                    b"",
+                    b"{",
+                    b"[]",
+                    b"null",
+                    b'{"text_input": "\xff\xfe"}',
+                    b"\xc3\x28",
+                    b'{"text_input": "a", "text_input": "b", "max_tokens": 1}',
+                    b'{"text_input": "Hi", "max_tokens": NaN}',
+                    b'{"max_tokens": 1e999}',
+                ]
+            )
+        )
         return raw, None
     body = {}
     if draw(st.integers(0, 5)):
         body["text_input"] = draw(st.one_of(st.sampled_from(["Hello", "The capital of France is"]), json_value))
-    for name in draw(st.lists(st.sampled_from(sorted(KNOWN) + ["foo", "id", "parameters"]), max_size=5,
-                              unique=True)):
+    for name in draw(st.lists(st.sampled_from(sorted(KNOWN) + ["foo", "id", "parameters"]), max_size=5, unique=True)):
         body[name] = draw(st.one_of(fast_valid[name], json_value) if name in fast_valid else json_value)
     body.setdefault("max_tokens", draw(st.integers(1, MAX_FAST_TOKENS)))
     return json.dumps(body).encode(), sorted(body)
@@ -199,15 +233,17 @@ def http_generate(server, body: bytes, stream: bool) -> tuple[int, str]:
         return exc.code, exc.read().decode("utf-8", "replace")
 
 
-TRITON_PARSE_ERROR = re.compile(r"failed to parse the request JSON|Unable to parse|attempt to (get|access)|"
-                                r"Expected JSON")
+TRITON_PARSE_ERROR = re.compile(
+    r"failed to parse the request JSON|Unable to parse|attempt to (get|access)|"
+    r"Expected JSON"
+)
 
 
 def error_of(text: str) -> str:
     """The one error of a JSON or SSE error body."""
     if text.startswith("data: "):
         (event,) = [line for line in text.splitlines() if line.startswith("data: ")]
-        return json.loads(event[len("data: "):])["error"]
+        return json.loads(event[len("data: ") :])["error"]
     return json.loads(text)["error"]
 
 
@@ -235,9 +271,12 @@ NOT_IDLE_ACCOUNT = ('morphserve_kv_cache_blocks{type="cached"}',)
 
 def idle_account(server) -> dict[str, float]:
     m = settled_metrics(server)
-    return {k: v for k, v in m.items()
-            if k.startswith(("morphserve_kv_cache_blocks", "morphserve_memory_bytes", "morphserve_requests{"))
-            and k not in NOT_IDLE_ACCOUNT}
+    return {
+        k: v
+        for k, v in m.items()
+        if k.startswith(("morphserve_kv_cache_blocks", "morphserve_memory_bytes", "morphserve_requests{"))
+        and k not in NOT_IDLE_ACCOUNT
+    }
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +292,9 @@ def assert_back_to_idle(server, before: dict[str, float]) -> None:
             break
         time.sleep(0.2)
     assert after.get('morphserve_kv_cache_blocks{type="used"}') == 0, after
-    assert after == before, {k: (before.get(k), after.get(k)) for k in set(before) | set(after)
-                             if before.get(k) != after.get(k)}
+    assert after == before, {
+        k: (before.get(k), after.get(k)) for k in set(before) | set(after) if before.get(k) != after.get(k)
+    }
 
 
 # --- the properties ----------------------------------------------------------------------------------------------
@@ -307,7 +347,9 @@ def test_fuzz_http(triton_server, idle_before):
     @FUZZ
     @given(http_body(), st.booleans())
     # found by a run: a `stream` input sent to the one-response endpoint
-    @example((b'{"text_input": "Hello", "stream": true, "max_tokens": 2}', ["max_tokens", "stream", "text_input"]), False)
+    @example(
+        (b'{"text_input": "Hello", "stream": true, "max_tokens": 2}', ["max_tokens", "stream", "text_input"]), False
+    )
     def case(body_names, stream):
         body, names = body_names
         status, text = http_generate(triton_server, body, stream)
@@ -352,10 +394,14 @@ def test_found_by_fuzzing_a_vanishing_temperature_is_served(triton_server):
     stream = Stream(triton_server.grpc_url)
     try:
         for t in (1e-45, 1e-38, 3.4e38):
-            responses, error = stream.call([
-                ("text_input", "BYTES", np.array([[b"The capital of France is"]], dtype=np.object_)),
-                ("max_tokens", "INT32", np.array([[3]], dtype=np.int32)),
-                ("temperature", "FP32", np.array([[t]], dtype=np.float32))], timeout=30)
+            responses, error = stream.call(
+                [
+                    ("text_input", "BYTES", np.array([[b"The capital of France is"]], dtype=np.object_)),
+                    ("max_tokens", "INT32", np.array([[3]], dtype=np.int32)),
+                    ("temperature", "FP32", np.array([[t]], dtype=np.float32)),
+                ],
+                timeout=30,
+            )
             assert error is None and responses, (t, error)
     finally:
         stream.close()

@@ -3,6 +3,7 @@ serving the model: the run completes, every request streams the tokens it forced
 tokenizer counted are the server's. genai-perf lives in its own virtualenv (`make
 .venv-genaiperf/bin/genai-perf`, which `make test` runs): its pins are not ours. It drives the perf_analyzer
 of build/perf_analyzer (tools/perf_analyzer.py installs it), found on PATH."""
+
 from __future__ import annotations
 
 import json
@@ -34,12 +35,38 @@ def test_genai_perf_profiles_the_tensorrtllm_interface(triton_server, tmp_path):
     shutil.copy(FRAGMENTS / "tokenizer.json", tokenizer / "tokenizer.json")
     artifacts = tmp_path / "artifacts"
     # --output-tokens-mean-deterministic sends min_length = max_tokens, so every request streams exactly 16.
-    cmd = [str(GENAI_PERF), "profile", "-m", MODEL, "--backend", "tensorrtllm", "--endpoint-type", "kserve",
-           "--streaming", "-u", triton_server.grpc_url, "--tokenizer", str(tokenizer),
-           "--concurrency", str(CONCURRENCY), "--request-count", str(REQUESTS), "--warmup-request-count", "0",
-           "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
-           "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-mean-deterministic",
-           "--random-seed", "0", "--artifact-dir", str(artifacts)]
+    cmd = [
+        str(GENAI_PERF),
+        "profile",
+        "-m",
+        MODEL,
+        "--backend",
+        "tensorrtllm",
+        "--endpoint-type",
+        "kserve",
+        "--streaming",
+        "-u",
+        triton_server.grpc_url,
+        "--tokenizer",
+        str(tokenizer),
+        "--concurrency",
+        str(CONCURRENCY),
+        "--request-count",
+        str(REQUESTS),
+        "--warmup-request-count",
+        "0",
+        "--synthetic-input-tokens-mean",
+        str(INPUT_TOKENS),
+        "--synthetic-input-tokens-stddev",
+        "0",
+        "--output-tokens-mean",
+        str(OUTPUT_TOKENS),
+        "--output-tokens-mean-deterministic",
+        "--random-seed",
+        "0",
+        "--artifact-dir",
+        str(artifacts),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (run_dir,) = [p for p in artifacts.iterdir() if p.is_dir()]  # <model>-triton-tensorrtllm-concurrency2

@@ -1,5 +1,6 @@
 """The GPU check (tools/gpu_check) run end to end on the CPU at the tiny shape, so it cannot rot while no GPU is at
 hand, and its parts that must be able to say no: the exactness comparison, the budget, a section that raises."""
+
 import json
 import subprocess
 import sys
@@ -20,8 +21,24 @@ BATCHES = [1, 4]
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    rc = main(["--device", "cpu", "--shapes", "tiny", "--out", str(out), "--threads", "1", "--bandwidth-mib", "16",
-               "--batches", ",".join(map(str, BATCHES)), "--budget-s", "300"])
+    rc = main(
+        [
+            "--device",
+            "cpu",
+            "--shapes",
+            "tiny",
+            "--out",
+            str(out),
+            "--threads",
+            "1",
+            "--bandwidth-mib",
+            "16",
+            "--batches",
+            ",".join(map(str, BATCHES)),
+            "--budget-s",
+            "300",
+        ]
+    )
     data = json.loads((out / RESULT_FILE).read_text())
     return rc, data
 
@@ -30,7 +47,14 @@ def test_the_run_is_recorded_whole(result):
     rc, data = result
     assert data["device"]["device"] == "cpu" and data["device"]["name"]
     assert data["command"].startswith("python -m tools.gpu_check") and "commit" in data
-    assert set(data["sections"]) == {"bandwidth", "fragments:tiny", "exactness", "decode:tiny", "swaps:tiny", "burst:tiny"}
+    assert set(data["sections"]) == {
+        "bandwidth",
+        "fragments:tiny",
+        "exactness",
+        "decode:tiny",
+        "swaps:tiny",
+        "burst:tiny",
+    }
     assert not data["skipped"] and all(s["status"] != "error" for s in data["sections"].values()), data["sections"]
     assert rc == (0 if data["ok"] else 1)
     # On a shared 2-core CPU a swap can outlast one decode step (the staging thread takes a core): the stall check
@@ -51,7 +75,9 @@ def test_exactness_matches_the_reference(result):
         assert r["relative_diff"] <= r["tolerance"] == exactness.TOLERANCE[(precision, torch.float32)]
         assert r["max_abs_reference_logit"] > 1  # a real comparison, not of near-zero logits
         assert r["engine"]["int4_layers"] == int4_layers and r["engine"]["dtype"] == "float32"
-        assert [len(q["engine_tokens"]) for q in r["requests"]] == [exactness.MAX_TOKENS] * len(exactness.PROMPT_LENGTHS)
+        assert [len(q["engine_tokens"]) for q in r["requests"]] == [exactness.MAX_TOKENS] * len(
+            exactness.PROMPT_LENGTHS
+        )
         assert all(q["engine_tokens"] == q["reference_tokens"] for q in r["requests"])
         assert set(r["engine"]["placement"]["layers"]) == {"cpu"}
 
@@ -66,7 +92,8 @@ def test_decode_rows_carry_the_floor(result):
             assert r["tok_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3), rel=0.01)
             assert r["bytes_read_per_step"] > dec[policy]["weights_read_per_step"]  # the cached K/V on top
             assert r["floor_tok_s"] > 0 and r["share_of_floor"] == pytest.approx(
-                r["floor_step_ms"] / r["step_ms"], rel=0.01)
+                r["floor_step_ms"] / r["step_ms"], rel=0.01
+            )
     # INT4 layers read about a quarter of fp32's bytes per weight
     assert dec["int4"]["weights_read_per_step"] < 0.6 * dec["full"]["weights_read_per_step"]
 
@@ -76,7 +103,8 @@ def test_every_layer_swaps_down_and_back(result):
     n = TINY.config.num_layers
     assert sw["layers_swapped"] == n and sw["down"]["count"] == n and sw["up"]["count"] == n
     assert {k: v for k, v in sw["checks"].items() if k != "no_stall"} == dict.fromkeys(
-        ["all_swapped_down", "all_restored", "no_swap_failures", "no_invariant_violations", "no_request_errors"], True)
+        ["all_swapped_down", "all_restored", "no_swap_failures", "no_invariant_violations", "no_request_errors"], True
+    )
     downs = [s for s in sw["swaps"] if s["kind"] == "down"]
     assert [s["int4_layers"] for s in downs] == list(range(1, n + 1))
     assert all(s["kv_blocks_after"] > s["kv_blocks_before"] and s["stage_ms"] > 0 and s["bind_ms"] > 0 for s in downs)
@@ -129,8 +157,22 @@ def test_budget_skips_and_errors_are_recorded(tmp_path):
 
 
 def test_a_short_budget_skips_cleanly(tmp_path):
-    rc = main(["--device", "cpu", "--shapes", "tiny", "--out", str(tmp_path), "--budget-s", "3", "--threads", "1",
-               "--bandwidth-mib", "16"])
+    rc = main(
+        [
+            "--device",
+            "cpu",
+            "--shapes",
+            "tiny",
+            "--out",
+            str(tmp_path),
+            "--budget-s",
+            "3",
+            "--threads",
+            "1",
+            "--bandwidth-mib",
+            "16",
+        ]
+    )
     data = json.loads((tmp_path / RESULT_FILE).read_text())
     assert rc == 0 and data["ok"] and data["skipped"]  # skipped is not failed
     assert all(s["status"] in ("skipped", "measured") for s in data["sections"].values())
@@ -145,11 +187,16 @@ def test_an_engine_that_cannot_run_stops_the_run_early(tmp_path, monkeypatch):
         raise RuntimeError("Expected all tensors to be on the same device")
 
     monkeypatch.setattr(LLMEngine, "step", step)
-    rc = main(["--device", "cpu", "--shapes", "tiny", "--out", str(tmp_path), "--threads", "1", "--bandwidth-mib", "16"])
+    rc = main(
+        ["--device", "cpu", "--shapes", "tiny", "--out", str(tmp_path), "--threads", "1", "--bandwidth-mib", "16"]
+    )
     data = json.loads((tmp_path / RESULT_FILE).read_text())
     ex = data["sections"]["exactness"]
     assert rc == 1 and ex["status"] == "error"
-    assert "full engine: RuntimeError: Expected all tensors" in ex["error"] and "placement: {'layers': {'cpu'" in ex["error"]
+    assert (
+        "full engine: RuntimeError: Expected all tensors" in ex["error"]
+        and "placement: {'layers': {'cpu'" in ex["error"]
+    )
     later = ["decode:tiny", "swaps:tiny", "burst:tiny"]
     assert [data["sections"][n]["reason"] for n in later] == ["exactness raised"] * 3 and data["skipped"] == later
 
@@ -165,6 +212,7 @@ def test_it_imports_nothing_the_gpu_machine_lacks():
         "        if name.split('.')[0] in BLOCK:\n"
         "            raise ImportError(name + ' is not on the GPU machine')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import tools.gpu_check.__main__\n")
+        "import tools.gpu_check.__main__\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

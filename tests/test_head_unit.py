@@ -3,6 +3,7 @@ its rank in the swap order, its swap and restore like a layer's (the freed bytes
 
 Needs the INT4 fragments and the profiled swap order that `make setup` builds; the head's fragment is built here
 into an overlay of that set (the set itself may be read-only)."""
+
 import pytest
 import torch
 from engine_fixtures import PROMPTS, fragment_dir
@@ -28,7 +29,9 @@ def head_set(tmp_path_factory):
 
 def engine_on(path, **overrides) -> LLMEngine:
     overrides.setdefault("morph_policy", "full")
-    overrides.setdefault("lm_head_precision", "dynamic")  # the head as a morph unit (int8 static: test_memory_budget.py)
+    overrides.setdefault(
+        "lm_head_precision", "dynamic"
+    )  # the head as a morph unit (int8 static: test_memory_budget.py)
     return LLMEngine(EngineConfig(fragment_dir=str(path), **overrides))
 
 
@@ -88,7 +91,9 @@ def test_head_rank_is_the_first_round_the_head_beats(monkeypatch):
 def test_swap_frees_the_table_as_kv_blocks_and_restores(head_set):
     prompts = PROMPTS[:2]
     base = engine_on(head_set, weight_dtype="float16")
-    engine = engine_on(head_set, weight_dtype="float16", max_tokens_in_paged_kv_cache=1024, force_morph="down:1@4,up:1@16")
+    engine = engine_on(
+        head_set, weight_dtype="float16", max_tokens_in_paged_kv_cache=1024, force_morph="down:1@4,up:1@16"
+    )
     m, model = engine.morph, engine.model
     assert m.order[m.order.index(HEAD_UNIT)] == HEAD_UNIT and m.reserve >= m.down_bytes[HEAD_UNIT]
     base_blocks, r0, full = engine.pool.num_blocks, m.account.available, model.head.nbytes
@@ -102,7 +107,9 @@ def test_swap_frees_the_table_as_kv_blocks_and_restores(head_set):
     base.run_until_idle()
     while True:  # run_until_idle and settle_morph in one loop, looking at the state after every step
         engine.step()
-        seen.append((engine.counters.iterations, model.head.precision, engine.pool.num_blocks, engine.check_invariants()))
+        seen.append(
+            (engine.counters.iterations, model.head.precision, engine.pool.num_blocks, engine.check_invariants())
+        )
         if not (engine.scheduler.has_work() or engine.morph.busy(engine.counters.iterations)):
             break
         engine.morph.wait(0.05)

@@ -1,4 +1,5 @@
 """trtllm_backend.huge_pages: buffers on 2 MiB pages, layers packed into one, and the engine's weights and KV there."""
+
 import os
 
 import pytest
@@ -6,8 +7,9 @@ import torch
 
 from trtllm_backend import huge_pages
 
-needs_thp = pytest.mark.skipif(huge_pages.thp_mode() not in ("always", "madvise"),
-                               reason="the kernel offers no transparent huge pages here")
+needs_thp = pytest.mark.skipif(
+    huge_pages.thp_mode() not in ("always", "madvise"), reason="the kernel offers no transparent huge pages here"
+)
 
 
 def test_small_buffers_are_plain_and_large_ones_start_on_a_page():
@@ -46,8 +48,12 @@ def test_a_dropped_buffer_gives_its_memory_back():
 
 def test_pack_copies_side_by_side_in_one_buffer():
     g = torch.Generator().manual_seed(0)
-    parts = [torch.randn(700, 576, generator=g).half(), torch.randn(3),
-             torch.randint(-128, 127, (1000, 577), generator=g, dtype=torch.int8), torch.randn(5, 7).t()]
+    parts = [
+        torch.randn(700, 576, generator=g).half(),
+        torch.randn(3),
+        torch.randint(-128, 127, (1000, 577), generator=g, dtype=torch.int8),
+        torch.randn(5, 7).t(),
+    ]
     moved = huge_pages.pack(parts)
     for a, b in zip(parts, moved):
         assert b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous() and torch.equal(a, b)
@@ -58,9 +64,15 @@ def test_pack_copies_side_by_side_in_one_buffer():
     assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:]))  # no overlap
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("always [madvise] never\n", None), ("[always] madvise never\n", None),
-    ("always madvise [never]\n", "off"), (None, "no transparent huge pages")])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("always [madvise] never\n", None),
+        ("[always] madvise never\n", None),
+        ("always madvise [never]\n", "off"),
+        (None, "no transparent huge pages"),
+    ],
+)
 def test_the_reason_for_no_huge_pages_names_the_setting(tmp_path, monkeypatch, text, reason):
     setting = tmp_path / "enabled"
     if text is not None:
@@ -80,9 +92,14 @@ def test_a_layer_packs_into_one_buffer_and_computes_the_same():
 
     g = torch.Generator().manual_seed(1)
     w = lambda o, i: torch.randn(o, i, generator=g) * 0.05  # noqa: E731
-    layer = LayerWeights(torch.rand(576, generator=g), torch.rand(576, generator=g),
-                         Int4Linear.from_float(w(960, 576)), DenseLinear(w(576, 576).half()),
-                         Int8Linear.from_float(w(3072, 576)), Int4Linear.from_float(w(576, 1536), pre_scale=torch.rand(1536) + 0.5))
+    layer = LayerWeights(
+        torch.rand(576, generator=g),
+        torch.rand(576, generator=g),
+        Int4Linear.from_float(w(960, 576)),
+        DenseLinear(w(576, 576).half()),
+        Int8Linear.from_float(w(3072, 576)),
+        Int4Linear.from_float(w(576, 1536), pre_scale=torch.rand(1536) + 0.5),
+    )
     x, x2 = torch.randn(3, 576, generator=g), torch.randn(3, 1536, generator=g)
     ops = (layer.qkv, layer.o, layer.gate_up)
     before = [op(x) for op in ops] + [layer.down(x2)]
@@ -91,8 +108,11 @@ def test_a_layer_packs_into_one_buffer_and_computes_the_same():
     after = [op(x) for op in ops] + [layer.down(x2)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert layer.nbytes == nbytes
-    held = [layer.input_layernorm, layer.post_attention_layernorm,
-            *(t for op in (*ops, layer.down) for t in op.resident_tensors())]
+    held = [
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        *(t for op in (*ops, layer.down) for t in op.resident_tensors()),
+    ]
     assert len({t.untyped_storage().data_ptr() for t in held}) == 1
 
 

@@ -1,5 +1,6 @@
 """The INT8 table (plugins/int8_linear.py) and its C++ linear against the torch reference: values, batch
 independence, the embedding lookup, quantization error, bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,8 @@ from plugins.int8_linear import Int8Table, reference_linear
 
 ns = cpu_kernels.ops()
 needs_kernels = pytest.mark.skipif(
-    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +44,9 @@ def test_kernel_matches_the_exact_product(m, n, k):
     ref = exact(x, t)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()) + 1e-6)
     # and the torch reference path agrees with it to fp32 rounding
-    torch.testing.assert_close(reference_linear(x, t.weight, t.scales), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    torch.testing.assert_close(
+        reference_linear(x, t.weight, t.scales), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())
+    )
 
 
 @needs_kernels

@@ -1,5 +1,6 @@
 """The INT8 table's int8-activation linear (W8A8): the VNNI kernel (csrc/int8_linear_q8.cpp) against its torch
 twin and the exact product, batch independence, the dispatch of `set_head_activations`, bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -151,8 +152,12 @@ def test_the_table_holds_one_packed_form_and_gives_back_its_rows_and_lookups(act
 def test_lookup_op_equals_its_torch_twin_for_any_ids_shape():
     t = table(53, 192, seed=21)  # 53 rows: the last block of 16 is padded
     packed = t._packed if t._packed is not None else ns.int8_pack_q8(t.weight)
-    for ids in (torch.tensor([52]), torch.tensor([[0, 15, 16], [31, 52, 7]]), torch.randint(0, 53, (4, 2, 5)),
-                torch.empty(0, dtype=torch.long)):
+    for ids in (
+        torch.tensor([52]),
+        torch.tensor([[0, 15, 16], [31, 52, 7]]),
+        torch.randint(0, 53, (4, 2, 5)),
+        torch.empty(0, dtype=torch.long),
+    ):
         got = ns.int8_lookup_q8(ids, packed, t.scales)
         assert got.shape == (*ids.shape, 192)
         assert torch.equal(got, int8_linear.reference_lookup_q8(ids, packed, t.scales, 192))

@@ -1,5 +1,6 @@
 """trtllm_backend.invariants on the real engine: a healthy engine (full, INT4, mid-morph) has no violation;
 each kind of broken state is found, counted once per iteration and logged with the state."""
+
 import logging
 
 import pytest
@@ -13,7 +14,9 @@ pytestmark = pytest.mark.needs_model
 
 def _add(engine, n=4, max_tokens=8):
     for i, p in enumerate(PROMPTS[:n]):
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), lambda o: None, request_id=f"p{i}")
+        engine.add_request(
+            p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), lambda o: None, request_id=f"p{i}"
+        )
 
 
 def test_a_healthy_engine_has_no_violation_through_swaps_and_restores():

@@ -5,6 +5,7 @@ The sweep here acts only on processes this test starts (sweep's `pids`), never o
 may be running on it during a measurement, and a sweep over all processes would move that measurement's server.
 The processes are `sleep`, started through symlinks whose names make /proc/<pid>/comm read like the server's
 (the kernel names a process after the file it executed). They sleep, so the CPUs they may run on cost nothing."""
+
 import os
 import signal
 import subprocess
@@ -99,9 +100,11 @@ def test_match_picks_only_the_measured_servers(sleepers, tmp_path):
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to split")
 def test_sigterm_puts_every_process_back_on_all_cpus():
     # a measurement ended by SIGTERM must not leave the machine pinned for the next job (a CI run inherits it)
-    script = ("import tools.isolate_server as m\n"
-              "m.sweep = lambda s, o, **kw: (print('sweep', sorted(s), sorted(o), flush=True), (0, 0))[1]\n"
-              "raise SystemExit(m.main(['--server-cpus', '0', '--interval-s', '0.05']))\n")
+    script = (
+        "import tools.isolate_server as m\n"
+        "m.sweep = lambda s, o, **kw: (print('sweep', sorted(s), sorted(o), flush=True), (0, 0))[1]\n"
+        "raise SystemExit(m.main(['--server-cpus', '0', '--interval-s', '0.05']))\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     every = sorted(range(os.cpu_count()))
     try:
@@ -112,4 +115,7 @@ def test_sigterm_puts_every_process_back_on_all_cpus():
     finally:
         proc.kill()
     assert proc.returncode == 0
-    assert out.strip().splitlines()[-2:] == [f"sweep {every} {every}", f"[isolate] stopped: every process back on CPUs {every}"]
+    assert out.strip().splitlines()[-2:] == [
+        f"sweep {every} {every}",
+        f"[isolate] stopped: every process back on CPUs {every}",
+    ]

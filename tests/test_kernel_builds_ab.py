@@ -1,4 +1,5 @@
 """tools/kernel_builds_ab.py: builds of the kernels compared process by process (tiny: one pair, two steps)."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,9 @@ def test_each_build_runs_in_its_own_process_and_the_ratio_comes_with_its_range(t
     lib = str(cpu_kernels.library_path())
     copy = tmp_path / "copy.so"
     copy.write_bytes(cpu_kernels.library_path().read_bytes())
-    out = kernel_builds_ab.run_pairs([lib, str(copy)], ["int4"], context=40, batch=2, steps=2, pairs=1,
-                                     weight_dtype="float16")
+    out = kernel_builds_ab.run_pairs(
+        [lib, str(copy)], ["int4"], context=40, batch=2, steps=2, pairs=1, weight_dtype="float16"
+    )
     assert [r["lib"] for r in out["runs"]] == [lib, str(copy)]
     assert all(r["step_s"]["int4"] > 0 and r["bandwidth_GBps"] > 0 for r in out["runs"])
     r = out["first_over_other"]["copy.so int4"]

@@ -1,5 +1,6 @@
 """Kernel numerics per engine (trtllm_backend/kernel_numerics.py): resolved once, put in force before every
 iteration, so another engine or a tool flipping a process-wide switch cannot change what an engine computes."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,11 @@ from trtllm_backend.kernel_numerics import KernelNumerics
 
 
 def _restore_switches():
-    return (quant_matmul.int4_activations_in_force(), quant_matmul.int4_prefill_in_force(),
-            int8_linear.head_activations())
+    return (
+        quant_matmul.int4_activations_in_force(),
+        quant_matmul.int4_prefill_in_force(),
+        int8_linear.head_activations(),
+    )
 
 
 @pytest.fixture
@@ -27,14 +31,21 @@ def switches():
 def test_resolved_leaves_no_auto_and_keeps_explicit_names():
     r = KernelNumerics("int8", "auto", "auto").resolved()
     assert "auto" not in (r.int4_activations, r.int4_prefill, r.lm_head_activations)
-    assert KernelNumerics("float32", "bfloat16", "float32").resolved() == KernelNumerics("float32", "bfloat16", "float32")
+    assert KernelNumerics("float32", "bfloat16", "float32").resolved() == KernelNumerics(
+        "float32", "bfloat16", "float32"
+    )
     # auto's prefill is decode only with int8 activations: float32 activations never resolve to the decode tiles
     assert KernelNumerics("float32", "auto", "auto").resolved().int4_prefill != "decode"
 
 
-@pytest.mark.parametrize("bad, match", [(KernelNumerics("int4"), "int4_activations"),
-                                        (KernelNumerics(int4_prefill="fp8"), "int4_prefill"),
-                                        (KernelNumerics(lm_head_activations="bf16"), "lm_head_activations")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (KernelNumerics("int4"), "int4_activations"),
+        (KernelNumerics(int4_prefill="fp8"), "int4_prefill"),
+        (KernelNumerics(lm_head_activations="bf16"), "lm_head_activations"),
+    ],
+)
 def test_bad_names_are_refused_by_name(bad, match):
     with pytest.raises(ValueError, match=match):
         bad.resolved()
@@ -67,13 +78,21 @@ def test_a_second_engine_does_not_change_what_the_first_computes(switches):
         pytest.skip("no C++ kernels: run make setup")
 
     def build(activations: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(fragment_dir=str(fragment_dir()), morph_policy="int4", num_threads=1,
-                                      max_tokens_in_paged_kv_cache=512, int4_activations=activations))
+        return LLMEngine(
+            EngineConfig(
+                fragment_dir=str(fragment_dir()),
+                morph_policy="int4",
+                num_threads=1,
+                max_tokens_in_paged_kv_cache=512,
+                int4_activations=activations,
+            )
+        )
 
     def logits_of(engine: LLMEngine) -> torch.Tensor:
         got = []
-        engine.add_request("The capital of France is", SamplingParams(max_tokens=4, logprobs=1),
-                           lambda out: got.append(out))
+        engine.add_request(
+            "The capital of France is", SamplingParams(max_tokens=4, logprobs=1), lambda out: got.append(out)
+        )
         engine.run_until_idle()
         return torch.tensor([lp.logprob for o in got for lp in o.logprobs], dtype=torch.float64)
 

@@ -5,8 +5,19 @@ from trtllm_backend.kv_cache import KVPool
 from trtllm_backend.manifest import ModelConfig
 
 TINY = ModelConfig(
-    hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
-    rope_theta=10000.0, vocab_size=32, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=None, eos_token_id=1,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    vocab_size=32,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=1,
 )
 
 
@@ -102,8 +113,10 @@ def test_slots_map_to_segments():
     assert which.tolist() == [0, 1, 0, 1, 1] and local.tolist() == [1, 1, 7, 11, 0]
     pieces = p.split_slots(slots)
     assert [(kv is p.segments[i].kv, rows.tolist(), loc.tolist()) for i, (kv, rows, loc) in enumerate(pieces)] == [
-        (True, [0, 2], [1, 7]), (True, [1, 3, 4], [1, 11, 0])]
-    (kv, rows, local), = p.split_slots(torch.tensor([8, 10]))  # one segment serves them all: no rows
+        (True, [0, 2], [1, 7]),
+        (True, [1, 3, 4], [1, 11, 0]),
+    ]
+    ((kv, rows, local),) = p.split_slots(torch.tensor([8, 10]))  # one segment serves them all: no rows
     assert kv is p.segments[1].kv and rows is None and local.tolist() == [0, 2]
 
 

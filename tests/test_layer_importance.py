@@ -1,6 +1,7 @@
 """engines.layer_importance on tiny fake models: LIS = 0.25*LTS + 0.25*LRS + 0.5*MDS(Q) checked against cosines
 worked out by hand, and the greedy order (MDS measured against the set picked so far) against a from-scratch
 reference on a model whose layers do not commute."""
+
 import math
 from types import SimpleNamespace
 
@@ -63,8 +64,11 @@ def rotation_model() -> FakeModel:
     #   layer 1: theta 90, delta  0            LIS = 0.25*0   + 0.25*1   + 0.5*1   = 0.75
     #   layer 2: theta 60, delta acos(0.8)     LIS = 0.25*0.5 + 0.25*0.8 + 0.5*0.8 = 0.725
     d2 = math.degrees(math.acos(0.8))
-    return FakeModel([rotation(0), rotation(90), rotation(60)], [rotation(60), rotation(90), rotation(60 + d2)],
-                     torch.tensor([[1.0, 0.0]], dtype=torch.float64))
+    return FakeModel(
+        [rotation(0), rotation(90), rotation(60)],
+        [rotation(60), rotation(90), rotation(60 + d2)],
+        torch.tensor([[1.0, 0.0]], dtype=torch.float64),
+    )
 
 
 def test_static_scores_are_the_hand_computed_cosines():
@@ -80,7 +84,9 @@ def test_lis_formula_and_greedy_order_by_hand():
     expected = [(1, 0.0, 1.0, 1.0, 0.75), (2, 0.5, 0.8, 0.8, 0.725), (0, 1.0, 0.5, 0.5, 0.625)]
     for entry, (picked, lts, lrs, mds, lis) in zip(log, expected):
         assert entry["picked"] == picked
-        assert (entry["lts"], entry["lrs"], entry["mds"], entry["lis"]) == pytest.approx((lts, lrs, mds, lis), abs=1e-12)
+        assert (entry["lts"], entry["lrs"], entry["mds"], entry["lis"]) == pytest.approx(
+            (lts, lrs, mds, lis), abs=1e-12
+        )
     assert all(s.precision is Precision.FULL for s in m.model.slots)  # left at full precision
 
 
@@ -117,8 +123,11 @@ def reference_order(m: FakeModel) -> tuple[list[int], list[float]]:
     chosen, picked_lis = [], []
     while len(chosen) < n:
         ref = final(set(chosen))
-        lis = {p: 0.25 * lts[p] + 0.25 * lrs[p] + 0.5 * cos(ref, final(set(chosen) | {p}))
-               for p in range(n) if p not in chosen}
+        lis = {
+            p: 0.25 * lts[p] + 0.25 * lrs[p] + 0.5 * cos(ref, final(set(chosen) | {p}))
+            for p in range(n)
+            if p not in chosen
+        }
         best = max(lis, key=lis.get)
         chosen.append(best)
         picked_lis.append(lis[best])

@@ -1,5 +1,6 @@
 """The layering contracts of pyproject.toml ([tool.importlinter]), checked with import-linter: on the project,
 and on a throwaway tree that breaks each of them (so a contract that checks nothing would show)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -12,8 +13,9 @@ LINT = Path(sys.executable).with_name("lint-imports")
 
 
 def lint(cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT), "--config", "pyproject.toml", "--no-cache"], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [str(LINT), "--config", "pyproject.toml", "--no-cache"], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def contracts() -> list[dict]:

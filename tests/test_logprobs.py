@@ -1,5 +1,6 @@
 """Log probabilities: the picking function against a plain reference, and the engine's per-token and prompt
 logprobs against log_softmax of the very logits it sampled from (the on_logits hook), across chunked prefill."""
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,9 @@ def test_engine_logprobs_are_log_softmax_of_the_sampled_logits():
     outs: dict[str, list] = {}
     for i, prompt in enumerate(PROMPTS[:3]):
         params = SamplingParams(max_tokens=6, logprobs=3, prompt_logprobs=2, temperature=0.8, seed=i)
-        engine.add_request(prompt, params, lambda o, rid=f"r{i}": outs.setdefault(rid, []).append(o), request_id=f"r{i}")
+        engine.add_request(
+            prompt, params, lambda o, rid=f"r{i}": outs.setdefault(rid, []).append(o), request_id=f"r{i}"
+        )
     engine.run_until_idle()
     for rid, pieces in outs.items():
         entries = [lp for o in pieces for lp in o.logprobs]
@@ -67,6 +70,6 @@ def test_prompt_logprobs_score_the_tokens_a_decode_made():
     if engine.tokenizer.encode(text) != ids:
         pytest.skip("the text does not re-encode to the same ids")
     first = next(engine.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0)))
-    scored = first.prompt_logprobs[-len(decoded):]
+    scored = first.prompt_logprobs[-len(decoded) :]
     for a, b in zip(scored, decoded):
         assert a.token_id == b.token_id and math.isclose(a.logprob, b.logprob, abs_tol=2e-3), (a, b)

@@ -1,5 +1,6 @@
 """The memory budget's arithmetic (trtllm_backend/memory.py) on plain numbers: how the budget is sized and refused,
 what is left for KV, what fits for staging, and an account over its budget refused. Model-free."""
+
 import pytest
 
 from trtllm_backend.memory import MemoryAccount, blocks_freed, resolve_budget
@@ -21,8 +22,12 @@ def test_a_given_budget_wins_over_the_base_pool():
 def test_a_budget_without_room_for_the_model_the_reserve_and_one_block_is_refused_naming_the_parameter():
     least = 1_000 + 300 + BLOCK
     assert resolve_budget(1_000, reserve=300, bytes_per_block=BLOCK, base_kv_blocks=0, given=least) == least
-    with pytest.raises(ValueError, match=r"memory_budget_bytes: 1399 .*staging reserve of policy balanced.*1400 bytes at least"):
-        resolve_budget(1_000, reserve=300, bytes_per_block=BLOCK, base_kv_blocks=0, given=least - 1, policy_name="balanced")
+    with pytest.raises(
+        ValueError, match=r"memory_budget_bytes: 1399 .*staging reserve of policy balanced.*1400 bytes at least"
+    ):
+        resolve_budget(
+            1_000, reserve=300, bytes_per_block=BLOCK, base_kv_blocks=0, given=least - 1, policy_name="balanced"
+        )
     with pytest.raises(ValueError, match=r"max_tokens_in_paged_kv_cache: 3 blocks \(1300 bytes with the model\)"):
         resolve_budget(1_000, reserve=300, bytes_per_block=BLOCK, base_kv_blocks=3)
     with pytest.raises(ValueError) as err:  # a static policy has no reserve, and the message says none

@@ -3,6 +3,7 @@ turns all of it beyond its weights into KV, a dynamic one keeps at most one INT4
 INT8 head is bound at load for any policy, and a budget too small is refused naming the parameter.
 
 Needs the INT4 fragments and the INT8 head table that `make setup` builds."""
+
 import pytest
 from engine_fixtures import PROMPTS, fragment_dir, make_engine
 
@@ -55,8 +56,10 @@ def test_a_static_policy_keeps_no_reserve_and_turns_freed_weights_into_kv(engine
     freed_head = full.model.head.nbytes - head8.model.head.nbytes
     assert head8.model.head.precision == Precision.INT8 and freed_head > 0
     assert head8.pool.num_blocks == (full.morph.account.budget - head8.morph.account.used + head8.pool.nbytes) // bpb
-    assert head8.pool.num_blocks - full.pool.num_blocks == freed_head // bpb or \
-        head8.pool.num_blocks - full.pool.num_blocks == freed_head // bpb + 1  # the remainders of two divisions
+    assert (
+        head8.pool.num_blocks - full.pool.num_blocks == freed_head // bpb
+        or head8.pool.num_blocks - full.pool.num_blocks == freed_head // bpb + 1
+    )  # the remainders of two divisions
     assert int4.num_quantized_layers() == 10 and int4.pool.num_blocks > head8.pool.num_blocks
 
 
@@ -65,8 +68,10 @@ def test_a_dynamic_policy_keeps_at_most_one_int4_layer_aside(engines):
     int4 = max(m.fragment(i, Precision.INT4)["bytes"] for i in range(m.num_layers))
     full, bal, dyn = engines["full"], engines["balanced"], engines["balanced, head dynamic"]
     assert bal.morph.reserve == int4 and not bal.morph.head_unit
-    assert bal.pool.num_blocks == (bal.morph.account.budget - bal.morph.account.used + bal.pool.nbytes - int4) \
-        // bal.pool.bytes_per_block
+    assert (
+        bal.pool.num_blocks
+        == (bal.morph.account.budget - bal.morph.account.used + bal.pool.nbytes - int4) // bal.pool.bytes_per_block
+    )
     assert full.pool.num_blocks - bal.pool.num_blocks <= int4 // full.pool.bytes_per_block + 1
     # the head as a morph unit needs room to stage its INT8 table: the old cost, now paid out of the same budget
     assert dyn.morph.head_unit and dyn.morph.reserve == m.head_fragment(Precision.INT8)["bytes"] > 10 * int4

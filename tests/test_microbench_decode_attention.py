@@ -1,4 +1,5 @@
 """tools/microbench/decode_attention.py's bit-for-bit comparison of two builds' outputs (here: one build twice)."""
+
 from __future__ import annotations
 
 import pytest

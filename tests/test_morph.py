@@ -2,6 +2,7 @@
 
 Needs the INT4 fragments that `make setup` builds (engines.quantize_awq).
 """
+
 import json
 import os
 import subprocess
@@ -21,14 +22,18 @@ pytestmark = pytest.mark.needs_model
 @pytest.fixture(autouse=True)
 def need_int4():
     m = Manifest(fragment_dir())
-    assert all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers)), "INT4 fragments missing: run `make setup`"
+    assert all(Precision.INT4 in m.precisions(i) for i in range(m.num_layers)), (
+        "INT4 fragments missing: run `make setup`"
+    )
 
 
 def collect(engine, prompts, max_tokens):
     outs = {}
     for i, p in enumerate(prompts):
         outs[f"p{i}"] = []
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), outs[f"p{i}"].append, request_id=f"p{i}")
+        engine.add_request(
+            p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), outs[f"p{i}"].append, request_id=f"p{i}"
+        )
     engine.run_until_idle()
     return outs
 
@@ -50,7 +55,9 @@ def test_forced_swaps_and_restores_mid_generation():
     baseline = collect(make_engine(morph_policy="full"), prompts, 40)
     # Small base pool so the requests spill into the segments the swaps add (the restore must migrate them).
     # (the staging reserve, ~48 fp32 tokens, comes out of it)
-    engine = make_engine(morph_policy="full", block_size=8, max_tokens_in_paged_kv_cache=144, force_morph="down:2@4,up:2@20")
+    engine = make_engine(
+        morph_policy="full", block_size=8, max_tokens_in_paged_kv_cache=144, force_morph="down:2@4,up:2@20"
+    )
     base_blocks = engine.pool.num_blocks
     morphed = collect(engine, prompts, 40)
     settle(engine)
@@ -77,8 +84,13 @@ def test_forced_swaps_and_restores_mid_generation():
 @pytest.mark.parametrize("weight_dtype", ["auto", "float16"])
 def test_capacity_grows_by_exactly_the_freed_blocks(weight_dtype, layer_set):
     # fp16-stored full-precision layers free half as many bytes per swap; the account must follow either way.
-    engine = make_engine(morph_policy="full", max_tokens_in_paged_kv_cache=512, weight_dtype=weight_dtype, force_morph="down:3@0",
-                         fragment_dir=str(layer_set))
+    engine = make_engine(
+        morph_policy="full",
+        max_tokens_in_paged_kv_cache=512,
+        weight_dtype=weight_dtype,
+        force_morph="down:3@0",
+        fragment_dir=str(layer_set),
+    )
     m = engine.morph
     base_blocks, r0 = engine.pool.num_blocks, m.account.available
     full = m.full_bytes[0]
@@ -178,8 +190,12 @@ def test_decode_time_pressure_swaps_only_where_a_swap_was_measured_faster(monkey
     measured = MorphManager.swap_speeds_up
 
     def run(faster):
-        engine = make_engine(morph_policy="balanced", max_batch_size=1, morph_overrides={"down_tpot_s": 1e-6},
-                             fragment_dir=str(layer_set))
+        engine = make_engine(
+            morph_policy="balanced",
+            max_batch_size=1,
+            morph_overrides={"down_tpot_s": 1e-6},
+            fragment_dir=str(layer_set),
+        )
         m = engine.morph
         # the calibration at load: every batch timed, full and INT4 (which is faster depends on the machine)
         assert set(m.speedup) == {"layer"} and set(m.speedup["layer"]) == set(CALIBRATION_BATCHES)
@@ -206,8 +222,13 @@ def test_queueing_pressure_swaps_while_requests_wait_on_compute(monkeypatch, lay
 
     def run(faster):
         # one request runs at a time and the pool is large: the others wait on the step, not on KV blocks
-        engine = make_engine(morph_policy="balanced", max_batch_size=1, tpot_slo_s=0,
-                             morph_overrides={"down_ttft_s": 1e-6}, fragment_dir=str(layer_set))
+        engine = make_engine(
+            morph_policy="balanced",
+            max_batch_size=1,
+            tpot_slo_s=0,
+            morph_overrides={"down_ttft_s": 1e-6},
+            fragment_dir=str(layer_set),
+        )
         monkeypatch.setattr(MorphManager, "swap_speeds_up", lambda self, batch: faster)
         outs = collect(engine, PROMPTS[:3], 6)
         assert all(o[-1].finish_reason == "length" for o in outs.values())
@@ -221,7 +242,9 @@ def test_queueing_pressure_swaps_while_requests_wait_on_compute(monkeypatch, lay
 def pool_for_base(blocks: int, fragments) -> int:
     """max_tokens_in_paged_kv_cache (block size 8) that leaves a dynamic policy `blocks` base blocks once its
     staging reserve is taken out of the pool."""
-    probe = make_engine(morph_policy="balanced", block_size=8, max_tokens_in_paged_kv_cache=1024, fragment_dir=str(fragments))
+    probe = make_engine(
+        morph_policy="balanced", block_size=8, max_tokens_in_paged_kv_cache=1024, fragment_dir=str(fragments)
+    )
     bpb = probe.pool.bytes_per_block
     return 8 * (blocks + -(-probe.morph.reserve // bpb))
 
@@ -233,19 +256,26 @@ def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):
     # is the last resort for new blocks) and requests wait for KV: the restore must give way. Before, the
     # manager waited on the drain, which a steady load never lets finish, and so could not swap down either: at
     # pool 256 the pool stayed at 92 blocks through a 100 s burst with 30-57 requests waiting.
-    engine = make_engine(morph_policy="balanced", block_size=8, max_tokens_in_paged_kv_cache=pool_for_base(8, layer_set),
-                         force_morph="down:2@0",
-                         morph_overrides={"up_quiet_s": 0.0, "down_persist": 1000, "down_queue_wait_s": 0.0,
-                                          "layers_per_action": 2},
-                         fragment_dir=str(layer_set))
+    engine = make_engine(
+        morph_policy="balanced",
+        block_size=8,
+        max_tokens_in_paged_kv_cache=pool_for_base(8, layer_set),
+        force_morph="down:2@0",
+        morph_overrides={"up_quiet_s": 0.0, "down_persist": 1000, "down_queue_wait_s": 0.0, "layers_per_action": 2},
+        fragment_dir=str(layer_set),
+    )
     assert engine.settle_morph(timeout_s=120)
     m = engine.morph
     base, seg_a, seg_b = engine.pool.segments
     words = " ".join(PROMPTS).split()
-    prompt = " ".join(words[: next(n for n in range(8, len(words)) if len(engine.tokenizer.encode(" ".join(words[:n]))) >= 40)])
+    prompt = " ".join(
+        words[: next(n for n in range(8, len(words)) if len(engine.tokenizer.encode(" ".join(words[:n]))) >= 40)]
+    )
     outs = {f"r{i}": [] for i in range(12)}
     for i in range(2):  # 2 x 5 blocks at prefill: the base pool's 8 and 2 of the first segment
-        engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}")
+        engine.add_request(
+            prompt, SamplingParams(max_tokens=16, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}"
+        )
     for _ in range(300):
         engine.step()
         if m.draining is seg_a:
@@ -254,7 +284,9 @@ def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):
     assert not any(o and o[-1].finished for o in outs.values())
     assert engine.counters.swaps_up == 1 and seg_b not in engine.pool.segments
     for i in range(2, 12):  # 10 x 5 blocks: more than the 8 + 32 of the pool
-        engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}")
+        engine.add_request(
+            prompt, SamplingParams(max_tokens=8, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}"
+        )
     for _ in range(5):
         engine.step()
         if engine.counters.restores_called_off:
@@ -264,7 +296,6 @@ def test_a_restore_draining_under_returning_pressure_is_called_off(layer_set):
     engine.run_until_idle()
     assert all(o[-1].finish_reason == "length" for o in outs.values())
     assert not engine.check_invariants()
-
 
 
 def test_a_multi_unit_restore_gives_way_between_units_when_pressure_returns(monkeypatch, layer_set):
@@ -277,9 +308,14 @@ def test_a_multi_unit_restore_gives_way_between_units_when_pressure_returns(monk
     from trtllm_backend.morph import MorphManager
 
     monkeypatch.setattr(MorphManager, "swap_speeds_up", lambda self, batch: True)
-    engine = make_engine(morph_policy="balanced", max_batch_size=1, tpot_slo_s=0, force_morph="down:4@0",
-                         morph_overrides={"up_quiet_s": 0.0, "layers_per_action": 4, "down_ttft_s": 0.3},
-                         fragment_dir=str(layer_set))
+    engine = make_engine(
+        morph_policy="balanced",
+        max_batch_size=1,
+        tpot_slo_s=0,
+        force_morph="down:4@0",
+        morph_overrides={"up_quiet_s": 0.0, "layers_per_action": 4, "down_ttft_s": 0.3},
+        fragment_dir=str(layer_set),
+    )
     assert engine.settle_morph(timeout_s=120) and engine.num_quantized_layers() == 4
     m = engine.morph
     outs = {f"r{i}": [] for i in range(4)}
@@ -288,7 +324,9 @@ def test_a_multi_unit_restore_gives_way_between_units_when_pressure_returns(monk
     engine.step()  # nothing waiting, quiet 0 s: the controller restores all four units, the first one staging
     assert m.pending_up == 4 and m.job is not None and m.job.kind == "up"
     for i in range(1, 4):  # one row per step: these wait on the step, not on KV blocks (queueing pressure)
-        engine.add_request(PROMPTS[i], SamplingParams(max_tokens=4, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}")
+        engine.add_request(
+            PROMPTS[i], SamplingParams(max_tokens=4, ignore_eos=True), outs[f"r{i}"].append, request_id=f"r{i}"
+        )
     time.sleep(0.4)  # the head of the queue waits past down_ttft_s
     engine.step()
     assert engine.counters.restores_called_off == 1

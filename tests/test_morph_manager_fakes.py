@@ -3,6 +3,7 @@ its KV segment for a restore, a restore giving way to returning pressure, a stag
 budget held throughout. The manager runs on fakes (layer slots and fragments that are byte counts, a manual
 executor, a manual clock) and a real KV pool of 256-byte blocks, so each test takes milliseconds; the same paths
 on the real model and its INT4 fragments: test_morph.py, test_faults_morph.py, test_head_unit.py."""
+
 import random
 from concurrent.futures import Future
 
@@ -127,10 +128,21 @@ class Rig:
         head_slot = HeadSlot(Weights(HEAD_UNIT, Precision.FULL, HEAD_FULL_BYTES)) if head else None
         units = LAYERS + head
         self.m = MorphManager(
-            parse_policy(policy, units, overrides), manifest=Manifest(head), store=self.store, slots=self.slots,
-            pool=self.pool, shared_nbytes=SHARED + (HEAD_FULL_BYTES if head else 0), counters=EngineStats(),
-            head=head_slot, head_mode=HEAD_DYNAMIC if head else HEAD_FULL, base_kv_blocks=BASE_BLOCKS,
-            budget_bytes=budget, forced=parse_forced(forced), executor=self.executor, clock=self.clock)
+            parse_policy(policy, units, overrides),
+            manifest=Manifest(head),
+            store=self.store,
+            slots=self.slots,
+            pool=self.pool,
+            shared_nbytes=SHARED + (HEAD_FULL_BYTES if head else 0),
+            counters=EngineStats(),
+            head=head_slot,
+            head_mode=HEAD_DYNAMIC if head else HEAD_FULL,
+            base_kv_blocks=BASE_BLOCKS,
+            budget_bytes=budget,
+            forced=parse_forced(forced),
+            executor=self.executor,
+            clock=self.clock,
+        )
         self.iteration = 0
         self.tables: list[list[int]] = []  # the running requests' block tables
 
@@ -248,7 +260,9 @@ def test_a_drain_moves_live_blocks_out_when_room_comes_and_rewrites_their_tables
     r.step(waiting=0, kv_usage=0.99)
     assert r.m.draining is top and top.draining and r.m.busy(r.iteration)
     r.quiet(0.5)
-    assert r.m.draining is top and r.m.job is None  # no free block outside it: the drain waits, iteration after iteration
+    assert (
+        r.m.draining is top and r.m.job is None
+    )  # no free block outside it: the drain waits, iteration after iteration
     r.pool.free(live)  # a request finishes: room for the two live blocks
     r.tables.remove(live)
     before = list(in_top)

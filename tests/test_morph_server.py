@@ -1,5 +1,6 @@
 """End to end through a real tritonserver: a burst makes the server morph, every request completes, and
 after the burst it returns to full precision."""
+
 import os
 import threading
 import time
@@ -33,9 +34,18 @@ def morph_server(tmp_path_factory):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     http, grpc, metrics_port = free_ports(3)
     log = LOG["path"] = tmp_path_factory.mktemp("triton-morph") / "tritonserver.log"
-    handle = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
-                          params=MORPH_PARAMS, backend_dir=ROOT / "build" / "backends", build_dir=ROOT / "build",
-                          log_path=log, ready_timeout=300, exit_timeout_s=10)
+    handle = serve.launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics_port,
+        params=MORPH_PARAMS,
+        backend_dir=ROOT / "build" / "backends",
+        build_dir=ROOT / "build",
+        log_path=log,
+        ready_timeout=300,
+        exit_timeout_s=10,
+    )
     try:
         yield handle
     finally:
@@ -46,15 +56,19 @@ def morph_server(tmp_path_factory):
 def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
     before = metrics(morph_server)
     assert before.get("morphserve_int4_layers") == 0 and before.get("morphserve_lm_head_int8", 0) == 0
-    text = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
-            "in want of a wife. However little known the feelings or views of such a man may be on his first "
-            "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families. ")
+    text = (
+        "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+        "in want of a wife. However little known the feelings or views of such a man may be on his first "
+        "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families. "
+    )
     results, peak_int4 = [None] * 12, []
 
     def client(i):
         s = GrpcStream(morph_server.grpc_url)
         try:
-            results[i] = s.request(inputs(text_input=f"{i}. " + text * 2, max_tokens=24, min_length=24, stream=True), timeout=600)
+            results[i] = s.request(
+                inputs(text_input=f"{i}. " + text * 2, max_tokens=24, min_length=24, stream=True), timeout=600
+            )
         finally:
             s.close()
 
@@ -86,20 +100,36 @@ def test_burst_morphs_down_and_quiet_restores_full_precision(morph_server):
     # counter ticks at once: wait for a snapshot in which the engine itself holds nothing (no running or waiting
     # request, nothing active in the glue); in that snapshot any used block is a leak.
     ok = before.get('morphserve_requests_total{status="success"}', 0) + 12
-    after = wait_for(lambda: (m := metrics(morph_server)).get("morphserve_int4_layers") == 0
-                     and m.get("morphserve_lm_head_int8", 0) == 0
-                     and m.get('morphserve_requests_total{status="success"}', 0) >= ok
-                     and all(m.get(f'morphserve_requests{{state="{s}"}}') == 0 for s in ("active", "waiting", "scheduled"))
-                     and m, timeout=120, interval=0.5)
+    after = wait_for(
+        lambda: (
+            (m := metrics(morph_server)).get("morphserve_int4_layers") == 0
+            and m.get("morphserve_lm_head_int8", 0) == 0
+            and m.get('morphserve_requests_total{status="success"}', 0) >= ok
+            and all(m.get(f'morphserve_requests{{state="{s}"}}') == 0 for s in ("active", "waiting", "scheduled"))
+            and m
+        ),
+        timeout=120,
+        interval=0.5,
+    )
     assert after, "the server did not return to full precision after the burst"
-    assert after['morphserve_layer_swaps_total{direction="up"}'] == after['morphserve_layer_swaps_total{direction="down"}']
+    assert (
+        after['morphserve_layer_swaps_total{direction="up"}'] == after['morphserve_layer_swaps_total{direction="down"}']
+    )
     assert after['morphserve_kv_cache_blocks{type="used"}'] == 0
     # back to the configured pool less the staging reserve a dynamic policy keeps (one INT4 layer: 6.04 blocks)
-    assert after["morphserve_kv_capacity_blocks"] - 7 <= after['morphserve_kv_cache_blocks{type="max"}'] \
+    assert (
+        after["morphserve_kv_capacity_blocks"] - 7
+        <= after['morphserve_kv_cache_blocks{type="max"}']
         < after["morphserve_kv_capacity_blocks"]
-    assert after['morphserve_kv_resizes_total{direction="shrink"}'] == after['morphserve_kv_resizes_total{direction="grow"}']
+    )
+    assert (
+        after['morphserve_kv_resizes_total{direction="shrink"}']
+        == after['morphserve_kv_resizes_total{direction="grow"}']
+    )
     # Every request counted once, as a success, with all its tokens (a preempted one is recomputed, not recounted).
-    done = after['morphserve_requests_total{status="success"}'] - before.get('morphserve_requests_total{status="success"}', 0)
+    done = after['morphserve_requests_total{status="success"}'] - before.get(
+        'morphserve_requests_total{status="success"}', 0
+    )
     assert done == 12
     assert after["morphserve_generation_tokens_total"] - before.get("morphserve_generation_tokens_total", 0) == 12 * 24
     # One log line per morph action, with its reason.

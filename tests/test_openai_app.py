@@ -3,6 +3,7 @@
 Requests here are refused before they would reach Triton, or find no Triton listening (a closed port): the
 integration tests with a real tritonserver are in test_openai_server.py.
 """
+
 import pytest
 from conftest import ROOT
 from fastapi.testclient import TestClient
@@ -93,15 +94,18 @@ def test_gateway_metrics_count_requests_by_status():
     assert "openai_gateway_requests_in_flight 0.0" in text
 
 
-@pytest.mark.parametrize("message, status, param", [
-    ("queue full: 20 requests waiting", 503, None),
-    ("text_input: 9000 tokens, the model context is 8192", 400, "messages"),
-    ("max_tokens: must be an integer >= 1, got 0", 400, "max_completion_tokens"),
-    ("random_seed: must be an integer", 400, "seed"),
-    ("stop_words: must be BYTES", 400, "stop"),
-    ("frequency_penalty: must be a number in [-2, 2], got 9", 400, "frequency_penalty"),
-    ("engine error: boom", 500, None),
-])
+@pytest.mark.parametrize(
+    "message, status, param",
+    [
+        ("queue full: 20 requests waiting", 503, None),
+        ("text_input: 9000 tokens, the model context is 8192", 400, "messages"),
+        ("max_tokens: must be an integer >= 1, got 0", 400, "max_completion_tokens"),
+        ("random_seed: must be an integer", 400, "seed"),
+        ("stop_words: must be BYTES", 400, "stop"),
+        ("frequency_penalty: must be a number in [-2, 2], got 9", 400, "frequency_penalty"),
+        ("engine error: boom", 500, None),
+    ],
+)
 def test_triton_errors_map_to_openai_statuses_and_field_names(message, status, param):
     err = triton_error(message, "messages", "max_completion_tokens")
     assert (err.status, err.param) == (status, param)

@@ -1,4 +1,5 @@
 """trtllm_backend.openai.logprobs: OpenAI's chat and legacy completions logprobs objects from the model's ids."""
+
 import pytest
 from conftest import ROOT
 
@@ -15,8 +16,16 @@ def piece() -> tuple[TokenTexts, Piece]:
     enc = lambda s: texts._tok.encode(s, add_special_tokens=False).ids  # noqa: E731
     (paris,), (dot,) = enc(" Paris"), enc(".")
     prompt = enc("The capital")
-    return texts, Piece(" Paris.", 2, token_ids=[paris, dot], logprobs=[-0.1, -0.5], top=[[(paris, -0.1), (dot, -3.0)], [(dot, -0.5)]],
-                        prompt_ids=prompt, prompt_logprobs=[None, -4.0], prompt_top=[[], [(prompt[1], -4.0)]])
+    return texts, Piece(
+        " Paris.",
+        2,
+        token_ids=[paris, dot],
+        logprobs=[-0.1, -0.5],
+        top=[[(paris, -0.1), (dot, -3.0)], [(dot, -0.5)]],
+        prompt_ids=prompt,
+        prompt_logprobs=[None, -4.0],
+        prompt_top=[[], [(prompt[1], -4.0)]],
+    )
 
 
 def test_chat_logprobs_shape():

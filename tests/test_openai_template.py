@@ -1,4 +1,5 @@
 """The chat template shipped with the fragments, rendered by the gateway, against transformers' own renderer."""
+
 import json
 import os
 from pathlib import Path
@@ -8,7 +9,6 @@ from conftest import ROOT
 
 from trtllm_backend.openai.errors import OpenAIError
 from trtllm_backend.openai.template import ChatTemplate, TemplateError
-
 
 
 def fragment_dir() -> Path:
@@ -21,8 +21,11 @@ def fragment_dir() -> Path:
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
-    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
-     {"role": "user", "content": "Another one, ünïcödé 😀"}],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one, ünïcödé 😀"},
+    ],
 ]
 
 
@@ -33,9 +36,12 @@ def test_renders_as_transformers_does(messages):
 
     d = fragment_dir()
     manifest = json.loads((d / "manifest.json").read_text())
-    reference = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"),
-                                        chat_template=manifest["tokenizer"]["chat_template"],
-                                        bos_token="<|im_start|>", eos_token="<|im_end|>")
+    reference = PreTrainedTokenizerFast(
+        tokenizer_file=str(d / "tokenizer.json"),
+        chat_template=manifest["tokenizer"]["chat_template"],
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+    )
     ours = ChatTemplate.from_fragments(d)
     for add in (True, False):
         expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
@@ -45,8 +51,10 @@ def test_renders_as_transformers_does(messages):
 @pytest.mark.needs_model
 def test_smollm2_template_is_chatml_with_its_default_system_prompt():
     out = ChatTemplate.from_fragments(fragment_dir()).render([{"role": "user", "content": "hi"}])
-    assert out == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-                   "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert out == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_template_that_refuses_is_a_400_naming_messages():

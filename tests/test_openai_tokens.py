@@ -1,4 +1,5 @@
 """trtllm_backend.openai.tokens: each token's own bytes and string from the fragments' byte-level vocabulary."""
+
 import pytest
 from conftest import ROOT
 

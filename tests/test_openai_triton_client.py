@@ -1,4 +1,5 @@
 """The Triton inputs the gateway sends: TensorRT-LLM names, shape [1, 1], unset fields left to the model."""
+
 from trtllm_backend.openai.triton_client import Generation, build_inputs
 
 

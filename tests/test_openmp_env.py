@@ -1,4 +1,5 @@
 """trtllm_backend.openmp_env: the OpenMP waiting settings every engine process gets."""
+
 from __future__ import annotations
 
 from trtllm_backend.openmp_env import OPENMP_ENV, with_openmp_defaults

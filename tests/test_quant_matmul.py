@@ -1,10 +1,17 @@
 """INT4/INT8 weight-only operators: kernels vs dequantized references, portable format, fusion, bytes."""
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from plugins.quant_matmul import (
-    Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4,
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
 )
 
 torch.manual_seed(0)

@@ -3,6 +3,7 @@
 The real-set tests build what they need (full fragments, then ModelOpt calibration) when `make setup` has
 not already done it, so they never skip in CI.
 """
+
 import importlib
 import subprocess
 
@@ -26,8 +27,12 @@ def cosine(a, b):  # float64: SmolLM2's massive activations make a fp32 cosine o
 
 def dense_layer(full: dict) -> dict:
     cat = lambda *names: torch.cat([full[n + ".weight"] for n in names])
-    ws = {"qkv": cat("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": cat("self_attn.o_proj"),
-          "gate_up": cat("mlp.gate_proj", "mlp.up_proj"), "down": cat("mlp.down_proj")}
+    ws = {
+        "qkv": cat("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "o": cat("self_attn.o_proj"),
+        "gate_up": cat("mlp.gate_proj", "mlp.up_proj"),
+        "down": cat("mlp.down_proj"),
+    }
     layer = {k: (lambda x, w=w: x @ w.t()) for k, w in ws.items()}
     layer.update({n: full[n + ".weight"] for n in ("input_layernorm", "post_attention_layernorm")})
     return layer
@@ -47,23 +52,31 @@ def layer_forward(layer: dict, h: torch.Tensor, theta: float = 1e5) -> torch.Ten
     qkv = layer["qkv"](F.rms_norm(h, (HID,), layer["input_layernorm"], EPS))
     q, k, v = qkv.split([NH * HD, NKV * HD, NKV * HD], -1)
     q, k, v = rope(q.view(T, NH, HD)), rope(k.view(T, NKV, HD)), v.view(T, NKV, HD)
-    attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                          is_causal=True, enable_gqa=True)
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    )
     h = h + layer["o"](attn.transpose(0, 1).reshape(T, NH * HD))
     gate, up = layer["gate_up"](F.rms_norm(h, (HID,), layer["post_attention_layernorm"], EPS)).chunk(2, -1)
     return h + layer["down"](F.silu(gate) * up)
 
 
 def random_full_layer() -> dict:
-    shapes = {"self_attn.q_proj": (NH * HD, HID), "self_attn.k_proj": (NKV * HD, HID),
-              "self_attn.v_proj": (NKV * HD, HID), "self_attn.o_proj": (HID, NH * HD),
-              "mlp.gate_proj": (INTER, HID), "mlp.up_proj": (INTER, HID), "mlp.down_proj": (HID, INTER)}
+    shapes = {
+        "self_attn.q_proj": (NH * HD, HID),
+        "self_attn.k_proj": (NKV * HD, HID),
+        "self_attn.v_proj": (NKV * HD, HID),
+        "self_attn.o_proj": (HID, NH * HD),
+        "mlp.gate_proj": (INTER, HID),
+        "mlp.up_proj": (INTER, HID),
+        "mlp.down_proj": (HID, INTER),
+    }
     full = {k + ".weight": torch.randn(s) * 0.05 for k, s in shapes.items()}
     full.update({n + ".weight": 1 + 0.1 * torch.randn(HID) for n in ("input_layernorm", "post_attention_layernorm")})
     return full
 
 
 # ---------------------------------------------------------------- fast: the folding math on a random layer
+
 
 def test_int4_fragment_folds_scales_without_changing_the_function():
     full = random_full_layer()
@@ -73,8 +86,10 @@ def test_int4_fragment_folds_scales_without_changing_the_function():
     torch.testing.assert_close(frag["input_layernorm.weight"], full["input_layernorm.weight"] * scales["qkv"])
     torch.testing.assert_close(frag["down.pre_scale"], scales["down"])
     # Unfolded reference: the dequantized grid times the folded scales, with the original norms.
-    unfolded = {n: dequantize_int4(frag, n + ".") * scales[n] if n in ("qkv", "gate_up") else
-                dequantize_int4(frag, n + ".") for n in ("qkv", "o", "gate_up", "down")}
+    unfolded = {
+        n: dequantize_int4(frag, n + ".") * scales[n] if n in ("qkv", "gate_up") else dequantize_int4(frag, n + ".")
+        for n in ("qkv", "o", "gate_up", "down")
+    }
     ref_q = {n: (lambda x, w=w: x @ w.t()) for n, w in unfolded.items()}
     ref_q.update({n: full[n + ".weight"] for n in ("input_layernorm", "post_attention_layernorm")})
     h = torch.randn(16, HID)
@@ -93,8 +108,9 @@ def test_int8_fragment_and_layer_bytes():
 
 
 def test_group_size_mismatch_is_refused():
-    frag = qa.int4_fragment(random_full_layer(), {n: torch.ones(INTER if n == "down" else HID)
-                                                  for n in ("qkv", "o", "gate_up", "down")}, 32)
+    frag = qa.int4_fragment(
+        random_full_layer(), {n: torch.ones(INTER if n == "down" else HID) for n in ("qkv", "o", "gate_up", "down")}, 32
+    )
     with pytest.raises(ValueError, match="group size"):
         load_quantized_layer(frag, {"group_size": 64})
 
@@ -111,6 +127,7 @@ def test_calibration_text_stays_in_the_first_80_percent(tmp_path):
 
 
 # ---------------------------------------------------------------- real fragment set (built when missing)
+
 
 @pytest.fixture(scope="module")
 def real_set():
@@ -145,13 +162,15 @@ def test_int4_layers_track_the_full_layers_on_real_hidden_states(real_set):
 
     tok = Tokenizer.from_file(str(m.side_file(m.data["tokenizer"]["file"])))
     text = (qa.REPO_ROOT / qa.DEFAULT_CORPUS).read_text(encoding="utf-8")
-    ids = torch.tensor(tok.encode(text[int(len(text) * 0.92):][:2000]).ids[:128])  # held-out text
+    ids = torch.tensor(tok.encode(text[int(len(text) * 0.92) :][:2000]).ids[:128])  # held-out text
     shared = load_file(m.verified_path(m.data["shared"]))
     h = shared["model.embed_tokens.weight"][ids]
     with torch.no_grad():
         for i in range(m.num_layers):
             full = dense_layer(load_file(m.verified_path(m.fragment(i, Precision.FULL))))
-            layer = load_quantized_layer(load_file(m.verified_path(m.fragment(i, Precision.INT4))), m.fragment(i, Precision.INT4))
+            layer = load_quantized_layer(
+                load_file(m.verified_path(m.fragment(i, Precision.INT4))), m.fragment(i, Precision.INT4)
+            )
             ref, out = layer_forward(full, h), layer_forward(layer, h)
             assert cosine(out, ref) > 0.99, f"layer {i}"
             assert cosine(out - h, ref - h) > 0.98, f"layer {i} (its own contribution)"  # measured >= 0.99

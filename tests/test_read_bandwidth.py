@@ -1,5 +1,6 @@
 """plugins/read_bandwidth.py and its C++ streaming read (csrc/read_stream.cpp): every method measured, the floor the
 fastest, the read's checksum the same whatever the threads, load width and prefetch."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,12 @@ def test_the_streaming_read_reads_every_byte_whatever_the_threads_width_and_pref
     buf = torch.zeros(nbytes // 4, dtype=torch.int32)
     buf.copy_(torch.randint(0, 256, (nbytes // 4,), generator=torch.Generator().manual_seed(nbytes), dtype=torch.int32))
     want = int(buf.sum())
-    got = {(t, ahead, wide): ns.read_stream(buf, t, ahead, wide) for t in (1, 2, 3) for ahead in (0, 4096) for wide in (False, True)}
+    got = {
+        (t, ahead, wide): ns.read_stream(buf, t, ahead, wide)
+        for t in (1, 2, 3)
+        for ahead in (0, 4096)
+        for wide in (False, True)
+    }
     assert set(got.values()) == {want}
     with pytest.raises(RuntimeError, match="prefetch distance"):
         ns.read_stream(buf, 1, -1, False)
@@ -53,7 +59,9 @@ def test_the_tool_writes_every_size_and_names_no_path(tmp_path, monkeypatch):
     def run(cmd, *a, **k):  # pgrep answers with a pinned measurement; git (the provenance) runs for real
         if cmd[0] != "pgrep":
             return real(cmd, *a, **k)
-        return type("R", (), {"stdout": "1 pgrep -af x\n4242 python -m tools.isolate_server --match /somewhere/else\n"})()
+        return type(
+            "R", (), {"stdout": "1 pgrep -af x\n4242 python -m tools.isolate_server --match /somewhere/else\n"}
+        )()
 
     monkeypatch.setattr(tool.subprocess, "run", run)
     out = tmp_path / "bw.json"

@@ -1,5 +1,6 @@
 """Replay metrics on hand-made timelines with known answers (vLLM definitions), plus the metrics scrape and
 the quality table reader."""
+
 from __future__ import annotations
 
 import json
@@ -111,19 +112,36 @@ morphserve_kv_capacity_blocks{model="smollm2",version="1"} 128
 nv_inference_count{model="smollm2",version="1"} 7
 """
     snap = snapshot(text, model="smollm2")
-    assert snap == {"waiting": 3, "scheduled": 5, "int4_layers": 8, "kv_blocks": 256, "kv_used": 200, "kv_capacity": 128}
+    assert snap == {
+        "waiting": 3,
+        "scheduled": 5,
+        "int4_layers": 8,
+        "kv_blocks": 256,
+        "kv_used": 200,
+        "kv_capacity": 128,
+    }
 
 
-@pytest.mark.parametrize("layout", [
-    # python -m tools.eval_quality: the serving order's curve at every k, other orders at a few k.
-    {"full_precision_ppl": 10.0, "by_order": {"front-to-back": {"0": 10.0, "2": 12.0}, "LIS": {"0": 10.0, "2": 11.0}},
-     "serving_curve": {"0": 10.0, "1": 10.5, "2": 11.0}},
-    {"orders": {"lis": [10.0, 10.5, 11.0]}},
-    {"lis": {"0": 10.0, "1": 10.5, "2": 11.0}, "front_to_back": {"0": 10.0, "1": 12.0}},
-    {"orders": {"lis": [{"k": 0, "perplexity": 10.0}, {"k": 1, "perplexity": 10.5}, {"k": 2, "perplexity": 11.0}]}},
-    [{"order": "lis", "k": 0, "ppl": 10.0}, {"order": "lis", "k": 1, "ppl": 10.5}, {"order": "lis", "k": 2, "ppl": 11.0},
-     {"order": "random", "k": 1, "ppl": 50.0}],
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # python -m tools.eval_quality: the serving order's curve at every k, other orders at a few k.
+        {
+            "full_precision_ppl": 10.0,
+            "by_order": {"front-to-back": {"0": 10.0, "2": 12.0}, "LIS": {"0": 10.0, "2": 11.0}},
+            "serving_curve": {"0": 10.0, "1": 10.5, "2": 11.0},
+        },
+        {"orders": {"lis": [10.0, 10.5, 11.0]}},
+        {"lis": {"0": 10.0, "1": 10.5, "2": 11.0}, "front_to_back": {"0": 10.0, "1": 12.0}},
+        {"orders": {"lis": [{"k": 0, "perplexity": 10.0}, {"k": 1, "perplexity": 10.5}, {"k": 2, "perplexity": 11.0}]}},
+        [
+            {"order": "lis", "k": 0, "ppl": 10.0},
+            {"order": "lis", "k": 1, "ppl": 10.5},
+            {"order": "lis", "k": 2, "ppl": 11.0},
+            {"order": "random", "k": 1, "ppl": 50.0},
+        ],
+    ],
+)
 def test_quality_table_layouts(tmp_path, layout):
     path = tmp_path / "quality.json"
     path.write_text(json.dumps(layout))

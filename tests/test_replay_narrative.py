@@ -1,5 +1,6 @@
 """tools.replay.narrative: the report's reading is computed from the run's data (checked on the committed run
 against its summary.json), and a note citing a figure the data do not contain is caught."""
+
 import json
 import math
 

@@ -1,5 +1,6 @@
 """The comparison runner's --quick mode end to end: two real servers (full, balanced), one short bursty window
 of the Azure code trace, the report and its files. Checks that the instrument works, not the results."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ def quick_report(tmp_path_factory):
 
 def test_report_files(quick_report):
     out, stdout = quick_report
-    for name in ("report.md", "summary.json", "ttft_cdf.png", "timeline_full.png", "timeline_balanced.png",
-                 "raw/full.json", "raw/balanced.json"):
+    for name in (
+        "report.md",
+        "summary.json",
+        "ttft_cdf.png",
+        "timeline_full.png",
+        "timeline_balanced.png",
+        "raw/full.json",
+        "raw/balanced.json",
+    ):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "python -m tools.replay.compare --quick" in report  # the exact command
@@ -72,7 +80,12 @@ def test_every_request_accounted(quick_report):
 def test_report_only_rebuilds(quick_report):
     out, _ = quick_report
     (out / "report.md").unlink()
-    proc = subprocess.run([sys.executable, "-m", "tools.replay.compare", "--quick", "--out-root", str(out.parent),
-                           "--report-only"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.replay.compare", "--quick", "--out-root", str(out.parent), "--report-only"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| balanced |" in (out / "report.md").read_text()

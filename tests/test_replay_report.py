@@ -1,5 +1,6 @@
 """The report side of the replay harness without a server: raw results written and read back, and the committed
 comparison rebuilt from its own raw data by `python -m tools.replay.compare --report-only`."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,19 @@ COMMITTED = REPO_ROOT / "results" / "replay" / "default"
 
 
 def test_raw_round_trip(tmp_path):
-    rec = RequestRecord(0, 0.5, 12, 3, send_s=0.51, first_token_s=0.9, end_s=1.2, token_s=[0.912345678, 1.0, 1.2],
-                        chunk_s=[0.912345678, 1.2], int4_layers=[0, 2, 2], status="ok")
+    rec = RequestRecord(
+        0,
+        0.5,
+        12,
+        3,
+        send_s=0.51,
+        first_token_s=0.9,
+        end_s=1.2,
+        token_s=[0.912345678, 1.0, 1.2],
+        chunk_s=[0.912345678, 1.2],
+        int4_layers=[0, 2, 2],
+        status="ok",
+    )
     res = ReplayResult([rec], [{"t": 0.5, "waiting": 1.0}], [0.2, 0.3], 0.01, 1, (1.5, 2.0))
     save_raw(tmp_path / "int4-15.json", "int4:15", res)
     policy, back = load_raw(tmp_path / "int4-15.json")
@@ -39,8 +51,22 @@ def test_committed_report_rebuilds_from_its_raw_data(tmp_path):
     for name in ("run.json", "sweep.json", "sweep.md", "notes.md"):
         if (COMMITTED / name).exists():
             shutil.copy(COMMITTED / name, out / name)
-    proc = subprocess.run([sys.executable, "-m", "tools.replay.compare", "--name", "default", "--out-root",
-                           str(tmp_path), "--report-only"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.replay.compare",
+            "--name",
+            "default",
+            "--out-root",
+            str(tmp_path),
+            "--report-only",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     # The same numbers as the committed summary: the report code reads the raw data as it did when committed.
     assert json.loads((out / "summary.json").read_text()) == json.loads((COMMITTED / "summary.json").read_text())
@@ -48,8 +74,9 @@ def test_committed_report_rebuilds_from_its_raw_data(tmp_path):
     assert "# report rebuilt: python -m tools.replay.compare --name default" in report
     # The committed report.md, narrative included, is what its data produce now: it cannot describe another run.
     rebuilt = [line for line in report.splitlines() if not line.startswith("# report rebuilt:")]
-    committed = [line for line in (COMMITTED / "report.md").read_text().splitlines()
-                 if not line.startswith("# report rebuilt:")]
+    committed = [
+        line for line in (COMMITTED / "report.md").read_text().splitlines() if not line.startswith("# report rebuilt:")
+    ]
     assert rebuilt == committed, "results/replay/default/report.md is stale: rebuild it with --report-only"
     assert "Stale notes" not in report
     assert (out / "ttft_cdf.png").stat().st_size > 0 and (out / "timeline_balanced.png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """Trace readers (Azure 2023 CSV, Mooncake-style JSONL), windowing, rate/time/length scaling, synthetic
 arrivals, and prompts cut to an exact token length."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,10 @@ def test_azure_csv(azure):
 
 def test_mooncake_jsonl(tmp_path):
     path = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 5000, "input_length": 700, "output_length": 30, "hash_ids": [1, 2]},
-            {"timestamp": 2000, "input_length": 6955, "output_length": 52, "hash_ids": [3]}]
+    rows = [
+        {"timestamp": 5000, "input_length": 700, "output_length": 30, "hash_ids": [1, 2]},
+        {"timestamp": 2000, "input_length": 6955, "output_length": 52, "hash_ids": [3]},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     t = read_trace(path)  # format from the extension; Mooncake timestamps are milliseconds
     assert t == [TraceRequest(0.0, 6955, 52), TraceRequest(3.0, 700, 30)]

@@ -1,4 +1,5 @@
 """A request's recent TPOT and the decode-time pressure signal taken from the running streams."""
+
 import pytest
 from engine_fixtures import PROMPTS, make_engine
 

@@ -2,6 +2,7 @@
 
 Needs the repository's git history (CI runs on a full clone of main). In a checkout without it (no .git, or a
 shallow clone that lacks the commit) the test fails and says so instead of passing unchecked."""
+
 import re
 import subprocess
 
@@ -35,10 +36,13 @@ def test_report_names_a_commit_in_the_history(report):
     assert named, f"{report.relative_to(ROOT)} names no commit ('commit <sha>') of the code that produced it"
     inside = git("rev-parse", "--is-inside-work-tree")
     if inside.returncode != 0 or inside.stdout.strip() != "true":
-        pytest.fail(f"no git history here ({inside.stderr.strip() or 'not a work tree'}): cannot check that the "
-                    f"commits named in {report.relative_to(ROOT)} exist; run the tests in a git clone of the repository")
+        pytest.fail(
+            f"no git history here ({inside.stderr.strip() or 'not a work tree'}): cannot check that the "
+            f"commits named in {report.relative_to(ROOT)} exist; run the tests in a git clone of the repository"
+        )
     shallow = git("rev-parse", "--is-shallow-repository").stdout.strip() == "true"
     for sha in named:
         found = git("cat-file", "-e", f"{sha}^{{commit}}").returncode == 0
-        assert found, (f"{report.relative_to(ROOT)} names commit {sha}, which is not in the history"
-                       + (" (this is a shallow clone: `git fetch --unshallow` and run again)" if shallow else ""))
+        assert found, f"{report.relative_to(ROOT)} names commit {sha}, which is not in the history" + (
+            " (this is a shallow clone: `git fetch --unshallow` and run again)" if shallow else ""
+        )

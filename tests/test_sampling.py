@@ -16,7 +16,10 @@ def test_greedy_and_top_k_1_pick_argmax():
 
 def test_seeded_sampling_is_reproducible_and_varies():
     p = SamplingParams(temperature=2.0, seed=3)
-    runs = [[sample(logits(), [p], [g])[0] for _ in range(30)] for g in (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
+    runs = [
+        [sample(logits(), [p], [g])[0] for _ in range(30)]
+        for g in (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))
+    ]
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
@@ -78,7 +81,10 @@ def test_penalties_apply_per_row_only_where_set():
     got = apply_penalties(batch, [SamplingParams(), SamplingParams(frequency_penalty=1.0)], [[1, 1], [1, 1]])
     assert torch.equal(got[0], batch[0])
     assert torch.allclose(got[1], torch.tensor([0.0, 1.0, 2.9, -1.0, 1.0]))
-    assert sample(batch, [SamplingParams(), SamplingParams(frequency_penalty=1.0)], [None, None], [[1, 1], [1, 1]]) == [1, 2]
+    assert sample(batch, [SamplingParams(), SamplingParams(frequency_penalty=1.0)], [None, None], [[1, 1], [1, 1]]) == [
+        1,
+        2,
+    ]
 
 
 def test_penalized_sampling_draws_from_the_penalized_distribution():

@@ -104,8 +104,12 @@ def test_max_batch_size_caps_running():
 
 
 def preq(rid: str, n_prompt: int, priority: int, arrival: float = 0.0, max_tokens: int = 50) -> Request:
-    return Request(rid, list(range(100 * len(rid), 100 * len(rid) + n_prompt)),
-                   SamplingParams(max_tokens=max_tokens, priority=priority), RequestTimings(arrival=arrival))
+    return Request(
+        rid,
+        list(range(100 * len(rid), 100 * len(rid) + n_prompt)),
+        SamplingParams(max_tokens=max_tokens, priority=priority),
+        RequestTimings(arrival=arrival),
+    )
 
 
 def test_the_most_important_waiting_request_is_admitted_first():

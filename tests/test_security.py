@@ -1,5 +1,6 @@
 """docs/security.md, kept true: no pickle-based loading anywhere in the source, and a fragment whose
 bytes do not match its manifest's sha256 is refused before use."""
+
 import re
 import shutil
 
@@ -11,8 +12,11 @@ from engine_fixtures import fragment_dir
 from trtllm_backend.errors import FragmentError
 from trtllm_backend.manifest import Manifest
 
-UNSAFE = re.compile(r"^\s*(import pickle|from pickle|import dill|import cloudpickle)|torch\.load\(|allow_pickle\s*=\s*True"
-                    r"|pd\.read_pickle", re.M)
+UNSAFE = re.compile(
+    r"^\s*(import pickle|from pickle|import dill|import cloudpickle)|torch\.load\(|allow_pickle\s*=\s*True"
+    r"|pd\.read_pickle",
+    re.M,
+)
 
 
 def test_no_pickle_loading_in_the_source():

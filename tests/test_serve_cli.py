@@ -1,4 +1,5 @@
 """trtllm_backend.serve: the command line refuses bad input with status 2 before any server starts."""
+
 from __future__ import annotations
 
 import subprocess

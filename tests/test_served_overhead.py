@@ -1,4 +1,5 @@
 """tools.served_overhead's accounting: /proc thread CPU times, the TPOT histogram, CPU per token."""
+
 from __future__ import annotations
 
 import os
@@ -34,13 +35,15 @@ def test_thread_cpu_times_see_a_busy_thread_of_this_process():
 
 
 def test_histogram_sum_and_count_ignore_buckets_and_other_metrics():
-    page = "\n".join([
-        "# HELP morphserve_time_per_output_token_seconds Time per output token",
-        'morphserve_time_per_output_token_seconds_bucket{le="0.01"} 3',
-        "morphserve_time_per_output_token_seconds_sum 0.125",
-        "morphserve_time_per_output_token_seconds_count 5",
-        "morphserve_time_to_first_token_seconds_sum 9",
-    ])
+    page = "\n".join(
+        [
+            "# HELP morphserve_time_per_output_token_seconds Time per output token",
+            'morphserve_time_per_output_token_seconds_bucket{le="0.01"} 3',
+            "morphserve_time_per_output_token_seconds_sum 0.125",
+            "morphserve_time_per_output_token_seconds_count 5",
+            "morphserve_time_to_first_token_seconds_sum 9",
+        ]
+    )
     assert histogram_sum_count(page, "morphserve_time_per_output_token_seconds") == (0.125, 5.0)
     assert histogram_sum_count("", "x") == (0.0, 0.0)
 

@@ -2,6 +2,7 @@
 it must exit 0 within drain_timeout_s + 5 s even while a client keeps a gRPC stream open (Triton 2.51 alone
 waited its whole exit timeout: trtllm_backend/triton/shutdown.py), and during a burst every accepted request
 either completes or gets an error response, none silently dropped."""
+
 from __future__ import annotations
 
 import os
@@ -24,17 +25,37 @@ DRAIN_S = float(TEST_SERVER_PARAMS["drain_timeout_s"])
 class Launcher:
     """The CLI launcher as a container runs it, on free ports."""
 
-    def __init__(self, tmp_path: Path, wait_ready: bool = True, params: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None, ports: tuple[int, int, int] | None = None,
-                 log_name: str = "launcher.log"):
+    def __init__(
+        self,
+        tmp_path: Path,
+        wait_ready: bool = True,
+        params: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        ports: tuple[int, int, int] | None = None,
+        log_name: str = "launcher.log",
+    ):
         self.http, self.grpc, self.metrics = ports or free_ports(3)
         args = [a for k, v in (TEST_SERVER_PARAMS | (params or {})).items() for a in ("--param", f"{k}={v}")]
         self.log_path = tmp_path / log_name
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "trtllm_backend.serve", "--http-port", str(self.http), "--grpc-port",
-             str(self.grpc), "--metrics-port", str(self.metrics), *args], cwd=ROOT, stdout=self.log,
-            stderr=subprocess.STDOUT, env=os.environ | (env or {}))
+            [
+                sys.executable,
+                "-m",
+                "trtllm_backend.serve",
+                "--http-port",
+                str(self.http),
+                "--grpc-port",
+                str(self.grpc),
+                "--metrics-port",
+                str(self.metrics),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | (env or {}),
+        )
         deadline = time.monotonic() + 300
         while wait_ready and not self._ready():
             assert self.process.poll() is None, self.log_path.read_text()[-3000:]
@@ -133,8 +154,9 @@ def test_sigterm_during_a_burst_answers_every_accepted_request(launcher):
     def run(i: int, s: GrpcStream) -> None:
         long = i % 3 != 0
         n = 400 if long else 4
-        s.send(inputs(text_input=f"Story {i}: once upon a time", max_tokens=n, min_length=n if long else 0,
-                      stream=True))
+        s.send(
+            inputs(text_input=f"Story {i}: once upon a time", max_tokens=n, min_length=n if long else 0, stream=True)
+        )
         try:
             results[i] = s.collect(timeout=DRAIN_S + 30)
         except Exception as exc:  # queue.Empty: nothing final arrived

@@ -1,5 +1,6 @@
 """tools/soak.py, the 60-second version (make soak runs 10 minutes): open-loop traffic at 1.5x the measured
 capacity with bad requests and cancellations; nothing lost, no invariant violation, no leak."""
+
 import json
 
 import numpy as np

@@ -1,4 +1,5 @@
 """trtllm_backend.step_budget: the token budget of a step that carries decodes, from measured step times."""
+
 import pytest
 
 from trtllm_backend.step_budget import MIN_PREFILL_CHUNK, StepBudget

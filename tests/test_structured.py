@@ -1,6 +1,7 @@
 """trtllm_backend.structured: guides refused by name when bad, and constrained outputs that always parse and
 validate: hypothesis-generated JSON schemas driven through a batch of matchers by random logits (the grammar
 alone must guarantee validity, whatever the model prefers), then the real model through the engine."""
+
 from __future__ import annotations
 
 import json
@@ -27,17 +28,27 @@ def tools():
     return tokenizer, GrammarCompiler(tokenizer.to_json(), manifest.config.vocab_size, eos), eos
 
 
-@pytest.mark.parametrize("guide, match", [
-    (lambda: Guide("xml", "x"), "type must be one of"),
-    (lambda: Guide("regex"), "needs its text"),
-])
+@pytest.mark.parametrize(
+    "guide, match",
+    [
+        (lambda: Guide("xml", "x"), "type must be one of"),
+        (lambda: Guide("regex"), "needs its text"),
+    ],
+)
 def test_bad_guides_are_refused_when_made(guide, match):
     with pytest.raises(InvalidRequest, match=f"^guide: .*{match}"):
         guide()
 
 
-@pytest.mark.parametrize("guide", [Guide("json_schema", "{not json"), Guide("json_schema", "[1]"),
-                                   Guide("regex", "(unclosed"), Guide("grammar", "start: undefined_rule")])
+@pytest.mark.parametrize(
+    "guide",
+    [
+        Guide("json_schema", "{not json"),
+        Guide("json_schema", "[1]"),
+        Guide("regex", "(unclosed"),
+        Guide("grammar", "start: undefined_rule"),
+    ],
+)
 @pytest.mark.needs_model
 def test_bad_guide_text_is_refused_when_compiled(tools, guide):
     with pytest.raises(InvalidRequest, match="^guide: "):
@@ -53,8 +64,11 @@ def test_a_guide_excludes_a_forced_length():
 
 # --- any schema, any logits: the output parses and validates ------------------------------------------------------
 leaf = st.one_of(
-    st.just({"type": "string", "maxLength": 12}), st.just({"type": "integer"}), st.just({"type": "boolean"}),
-    st.just({"type": "number"}), st.just({"type": "null"}),
+    st.just({"type": "string", "maxLength": 12}),
+    st.just({"type": "integer"}),
+    st.just({"type": "boolean"}),
+    st.just({"type": "number"}),
+    st.just({"type": "null"}),
     st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True).map(lambda v: {"enum": v}),
     st.integers(0, 50).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 100}),
 )
@@ -62,14 +76,27 @@ names = st.text("abcdefgh_", min_size=1, max_size=6)
 
 
 def objects(children):
-    return st.dictionaries(names, children, min_size=1, max_size=4).flatmap(lambda props: st.builds(
-        lambda required, extra: {"type": "object", "properties": props, "required": required,
-                                 "additionalProperties": extra},
-        st.lists(st.sampled_from(sorted(props)), unique=True), st.just(False)))
+    return st.dictionaries(names, children, min_size=1, max_size=4).flatmap(
+        lambda props: st.builds(
+            lambda required, extra: {
+                "type": "object",
+                "properties": props,
+                "required": required,
+                "additionalProperties": extra,
+            },
+            st.lists(st.sampled_from(sorted(props)), unique=True),
+            st.just(False),
+        )
+    )
 
 
-schemas = st.recursive(leaf, lambda children: st.one_of(
-    objects(children), children.map(lambda items: {"type": "array", "items": items, "maxItems": 3})), max_leaves=6)
+schemas = st.recursive(
+    leaf,
+    lambda children: st.one_of(
+        objects(children), children.map(lambda items: {"type": "array", "items": items, "maxItems": 3})
+    ),
+    max_leaves=6,
+)
 
 
 def run_constrained(tools, guides: list[Guide], seed: int, max_steps: int = 400) -> list[str | None]:
@@ -122,14 +149,25 @@ def test_the_engine_serves_a_schema_beside_free_requests():
     from engine_fixtures import make_engine
 
     engine = make_engine()
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     prompt = engine.tokenizer.chat_prompt("Give me a person as JSON.")
     outs: dict[str, list] = {}
-    for rid, guide in (("schema", Guide("json_schema", json.dumps(schema))), ("free", None),
-                       ("regex", Guide("regex", r"(yes|no)"))):
-        engine.add_request(prompt, SamplingParams(max_tokens=48, guide=guide),
-                           lambda o, rid=rid: outs.setdefault(rid, []).append(o), request_id=rid)
+    for rid, guide in (
+        ("schema", Guide("json_schema", json.dumps(schema))),
+        ("free", None),
+        ("regex", Guide("regex", r"(yes|no)")),
+    ):
+        engine.add_request(
+            prompt,
+            SamplingParams(max_tokens=48, guide=guide),
+            lambda o, rid=rid: outs.setdefault(rid, []).append(o),
+            request_id=rid,
+        )
     engine.run_until_idle()
     text = "".join(o.text for o in outs["schema"])
     assert outs["schema"][-1].finish_reason == "stop", text

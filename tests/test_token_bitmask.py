@@ -1,5 +1,6 @@
 """plugins.token_bitmask: the C++ bitmask fill against the numpy reference (every word pattern, tails, row subsets,
 NaN and infinities kept where allowed), and bad input."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,13 +10,14 @@ from plugins import cpu_kernels, token_bitmask
 
 ns = cpu_kernels.ops()
 needs_kernels = pytest.mark.skipif(
-    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}")
+    ns is None, reason=f"C++ kernels unavailable: {cpu_kernels.unsupported_reason() or 'not built: run make setup'}"
+)
 
 
 def _bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     words = (vocab + 31) // 32
-    w = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g, dtype=torch.int64)
+    w = torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=g, dtype=torch.int64)
     kind = torch.randint(0, 4, (rows, words), generator=g)
     w[kind == 0] = 0  # all forbidden
     w[kind == 1] = -1  # all allowed
@@ -27,14 +29,16 @@ def _bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
 def _logits(batch: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, vocab, generator=g)
-    x[0, :: 97] = float("nan")
-    x[-1, 3 :: 89] = float("inf")
+    x[0, ::97] = float("nan")
+    x[-1, 3::89] = float("inf")
     return x
 
 
 @needs_kernels
-@pytest.mark.parametrize("batch,vocab,rows", [(16, 49152, list(range(16))), (5, 49157, [4, 0, 2]),
-                                              (3, 40, [1]), (2, 7, [0, 1]), (4, 32, [3, 2, 1, 0])])
+@pytest.mark.parametrize(
+    "batch,vocab,rows",
+    [(16, 49152, list(range(16))), (5, 49157, [4, 0, 2]), (3, 40, [1]), (2, 7, [0, 1]), (4, 32, [3, 2, 1, 0])],
+)
 def test_kernel_gives_the_references_logits(batch, vocab, rows):
     bitmask = _bitmask(len(rows), vocab, seed=vocab)
     want, got = _logits(batch, vocab, seed=1), _logits(batch, vocab, seed=1)

@@ -50,7 +50,7 @@ TEXTS = [
     "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # O(2**n)\n",
     "   leading spaces, trailing tabs\t\t\r\nCRLF line and 😀 emoji, 東京 and Ελληνικά",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "URL https://example.com/a?b=c&d=e, e-mail a.b@c.org, {\"json\": [1, 2, null]}",
+    'URL https://example.com/a?b=c&d=e, e-mail a.b@c.org, {"json": [1, 2, null]}',
 ]
 
 

@@ -1,4 +1,5 @@
 """trtllm_backend.triton.config_pbtxt: reading and editing config.pbtxt parameters, the edited repository copy."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,8 +50,7 @@ def test_apply_overrides_writes_an_edited_copy(tmp_path):
     (repo / "m" / "config.pbtxt").write_text('parameters: { key: "block_size" value: { string_value: "16" } }\n')
     (repo / "other").mkdir()
     dest = apply_overrides(repo, "m", {"block_size": "8", "max_queue_size": "2"}, tmp_path / "copy")
-    assert read_parameters((dest / "m" / "config.pbtxt").read_text()) == {"block_size": "8",
-                                                                           "max_queue_size": "2"}
+    assert read_parameters((dest / "m" / "config.pbtxt").read_text()) == {"block_size": "8", "max_queue_size": "2"}
     assert (dest / "m" / "1").is_symlink() and (dest / "m" / "1" / "model.py").read_text() == "# model"
     assert (dest / "other").is_symlink()
     assert read_parameters((repo / "m" / "config.pbtxt").read_text()) == {"block_size": "16"}

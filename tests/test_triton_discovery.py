@@ -1,5 +1,6 @@
 """trtllm_backend.triton.discovery: the installed tritonserver, the backend folder of symlinks, the server's
 environment (which must import the project through the install alone: model.py adds no path)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from trtllm_backend.triton.discovery import (TritonInstall, find_triton, prepare_backend_dir, pytriton_install,
-                                             server_env)
+from trtllm_backend.triton.discovery import (
+    TritonInstall,
+    find_triton,
+    prepare_backend_dir,
+    pytriton_install,
+    server_env,
+)
 
 
 def test_the_installed_server_is_found():
@@ -32,8 +38,12 @@ def _fake_parts(tmp_path: Path) -> TritonInstall:
     backend.mkdir(parents=True)
     for name in ("libtriton_python.so", "triton_python_backend_utils.py", "triton_python_backend_stub"):
         (backend / name).write_text(name)
-    return TritonInstall(server=tmp_path / "tritonserver", backend_dir=None, python_backend=backend,
-                         stub=backend / "triton_python_backend_stub")
+    return TritonInstall(
+        server=tmp_path / "tritonserver",
+        backend_dir=None,
+        python_backend=backend,
+        stub=backend / "triton_python_backend_stub",
+    )
 
 
 def test_backend_dir_links_the_parts_and_replaces_stale_entries(tmp_path):
@@ -65,7 +75,12 @@ def test_server_env_points_the_stub_at_this_interpreter():
 def test_the_server_environment_imports_the_project_from_anywhere(tmp_path):
     """What the stub relies on: the environment, not the working folder or PYTHONPATH, provides the package."""
     env = server_env({"PATH": "/usr/bin:/bin"})
-    out = subprocess.run([sys.executable, "-c", "import trtllm_backend.triton.params, plugins, engines; "
-                          "print(trtllm_backend.__file__)"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import trtllm_backend.triton.params, plugins, engines; print(trtllm_backend.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()).parent.parent == Path(__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
 """trtllm_backend.triton.metrics on its own: engine snapshots -> Prometheus families (a fake pb_utils, as in
 tests/test_triton_model_unit.py, since Triton's MetricFamily exists only inside the stub)."""
+
 from __future__ import annotations
 
 import re
@@ -42,19 +43,41 @@ def test_a_new_engine_counts_from_zero(metrics):
 
 
 def test_gauges_follow_the_snapshot(metrics):
-    metrics.update(EngineStats(waiting=3, running=2, kv_blocks_total=80, kv_blocks_used=20, kv_blocks_free=60,
-                               kv_usage=0.25, int4_layers=4, lm_head_int8=1), active=5)
+    metrics.update(
+        EngineStats(
+            waiting=3,
+            running=2,
+            kv_blocks_total=80,
+            kv_blocks_used=20,
+            kv_blocks_free=60,
+            kv_usage=0.25,
+            int4_layers=4,
+            lm_head_int8=1,
+        ),
+        active=5,
+    )
     get = lambda name, **kw: FakeMetricFamily.created[name].get(**kw).value  # noqa: E731
-    assert (get("morphserve_requests", state="active"), get("morphserve_requests", state="waiting"),
-            get("morphserve_requests", state="scheduled")) == (5, 3, 2)
+    assert (
+        get("morphserve_requests", state="active"),
+        get("morphserve_requests", state="waiting"),
+        get("morphserve_requests", state="scheduled"),
+    ) == (5, 3, 2)
     assert get("morphserve_kv_cache_blocks", type="max") == 80 and get("morphserve_kv_cache_usage_ratio") == 0.25
     assert get("morphserve_int4_layers") == 4 and get("morphserve_kv_capacity_blocks") == 64
     assert get("morphserve_lm_head_int8") == 1
 
 
 def test_prefix_cache_counters_and_gauges(metrics):
-    metrics.update(EngineStats(kv_blocks_cached=7, prefix_cache_hit_blocks=30, prefix_cache_miss_blocks=10,
-                               prefix_cache_reused_tokens=480, prefix_cache_evictions=2), active=0)
+    metrics.update(
+        EngineStats(
+            kv_blocks_cached=7,
+            prefix_cache_hit_blocks=30,
+            prefix_cache_miss_blocks=10,
+            prefix_cache_reused_tokens=480,
+            prefix_cache_evictions=2,
+        ),
+        active=0,
+    )
     get = lambda name, **kw: FakeMetricFamily.created[name].get(**kw).value  # noqa: E731
     assert get("morphserve_prefix_cache_blocks_total", result="hit") == 30
     assert get("morphserve_prefix_cache_blocks_total", result="miss") == 10
@@ -71,8 +94,9 @@ def test_each_priority_class_has_its_queue_and_latencies(metrics):
     assert get("morphserve_requests_waiting_by_priority", priority="5") == 2
     metrics.update(EngineStats(waiting=1, waiting_by_priority=((0, 1),)), active=1)
     assert get("morphserve_requests_waiting_by_priority", priority="5") == 0  # seen once: reported at 0
-    metrics.request_finished("success", RequestTimings(arrival=1.0, scheduled=1.5, first_token=2.0, finished=3.0), 4,
-                             priority=5)
+    metrics.request_finished(
+        "success", RequestTimings(arrival=1.0, scheduled=1.5, first_token=2.0, finished=3.0), 4, priority=5
+    )
     ttft = FakeMetricFamily.created["morphserve_priority_time_to_first_token_seconds"]
     assert ttft.get(priority="5").observations == [1.0]
     queue = FakeMetricFamily.created["morphserve_priority_request_queue_time_seconds"]
@@ -109,8 +133,11 @@ def test_docs_metrics_table_matches_the_families(metrics):
 
 
 def test_docs_metrics_check_sees_a_difference():
-    table = "\n## Metrics\n\n| Metric | Type | Labels | Meaning |\n|---|---|---|---|\n" \
-            "| `morphserve_requests` | gauge | `state`=active / waiting | x |\n| `morphserve_int4_layers` | counter | | y |\n"
-    assert documented_metrics(table) == {"morphserve_requests": ("gauge", {"state": {"active", "waiting"}}),
-                                         "morphserve_int4_layers": ("counter", {})}
-
+    table = (
+        "\n## Metrics\n\n| Metric | Type | Labels | Meaning |\n|---|---|---|---|\n"
+        "| `morphserve_requests` | gauge | `state`=active / waiting | x |\n| `morphserve_int4_layers` | counter | | y |\n"
+    )
+    assert documented_metrics(table) == {
+        "morphserve_requests": ("gauge", {"state": {"active", "waiting"}}),
+        "morphserve_int4_layers": ("counter", {}),
+    }

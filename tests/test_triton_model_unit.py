@@ -2,6 +2,7 @@
 
 The fake engine is driven by hand (`engine.step()`), so every response order is deterministic.
 """
+
 from __future__ import annotations
 
 import ast
@@ -177,9 +178,19 @@ class FakeEngine:
             if done:
                 r["t"].finished = now
                 del self.requests[rid]
-            r["cb"](RequestOutput(rid, f" w{r['n']}", [100 + r["n"]], [3], finished=done,
-                                  finish_reason="length" if done else None, num_prompt_tokens=2,
-                                  num_output_tokens=r["n"], timings=r["t"]))
+            r["cb"](
+                RequestOutput(
+                    rid,
+                    f" w{r['n']}",
+                    [100 + r["n"]],
+                    [3],
+                    finished=done,
+                    finish_reason="length" if done else None,
+                    num_prompt_tokens=2,
+                    num_output_tokens=r["n"],
+                    timings=r["t"],
+                )
+            )
 
     def fail(self, rid):
         r = self.requests.pop(rid)
@@ -189,14 +200,24 @@ class FakeEngine:
         r = self.requests.pop(rid, None)
         if r is None:
             return False
-        r["cb"](RequestOutput(rid, "", [], [], finished=True, finish_reason="abort", num_output_tokens=r["n"],
-                              timings=r["t"]))
+        r["cb"](
+            RequestOutput(
+                rid, "", [], [], finished=True, finish_reason="abort", num_output_tokens=r["n"], timings=r["t"]
+            )
+        )
         return True
 
     def stats(self):
-        return EngineStats(running=len(self.requests), kv_blocks_total=10, kv_blocks_used=2 * len(self.requests),
-                           kv_blocks_free=10 - 2 * len(self.requests), prompt_tokens=7, generation_tokens=5,
-                           swap_timings=((0.01, 0.002),), swaps_timed=1)
+        return EngineStats(
+            running=len(self.requests),
+            kv_blocks_total=10,
+            kv_blocks_used=2 * len(self.requests),
+            kv_blocks_free=10 - 2 * len(self.requests),
+            prompt_tokens=7,
+            generation_tokens=5,
+            swap_timings=((0.01, 0.002),),
+            swaps_timed=1,
+        )
 
     def shutdown(self, drain_timeout_s=5.0):
         self.shut_down_with = drain_timeout_s
@@ -208,8 +229,13 @@ class FakeEngine:
 def model_config(params: dict[str, str] | None = None, decoupled=True) -> str:
     raw = {p.name: p.default for p in PARAMS} | {"cancel_poll_interval_s": "0.01", "metrics_interval_s": "0.01"}
     raw |= params or {}
-    return json.dumps({"name": "smollm2", "model_transaction_policy": {"decoupled": decoupled},
-                       "parameters": {k: {"string_value": v} for k, v in raw.items()}})
+    return json.dumps(
+        {
+            "name": "smollm2",
+            "model_transaction_policy": {"decoupled": decoupled},
+            "parameters": {k: {"string_value": v} for k, v in raw.items()},
+        }
+    )
 
 
 @pytest.fixture
@@ -229,15 +255,24 @@ def test_model_does_not_patch_sys_path():
     """model.py imports the project from the environment it runs in (the editable install, or the Docker
     image's .pth file); a sys.path edit would hide a broken install."""
     tree = ast.parse(MODEL_PY.read_text())
-    uses = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path"
-            and isinstance(n.value, ast.Name) and n.value.id == "sys"]
+    uses = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"
+    ]
     assert uses == [], f"model.py touches sys.path at lines {uses}"
 
 
 def load(module, params=None, decoupled=True):
     model = module.TritonPythonModel()
-    model.initialize({"model_config": model_config(params, decoupled), "model_repository": "/models/smollm2",
-                      "model_version": "1", "model_name": "smollm2"})
+    model.initialize(
+        {
+            "model_config": model_config(params, decoupled),
+            "model_repository": "/models/smollm2",
+            "model_version": "1",
+            "model_name": "smollm2",
+        }
+    )
     return model
 
 
@@ -285,9 +320,17 @@ def test_initialize_starts_engine_and_threads(model):
     assert model.params.engine["fragment_dir"] == "/models/smollm2/1/fragments"
 
 
-@pytest.mark.parametrize("name,value", [("block_size", "0"), ("max_queue_size", "many"), ("default_top_p", "2"),
-                                        ("device", "tpu"), ("no_such_param", "1"),
-                                        ("max_tokens_in_paged_kv_cache", "8")])  # EngineConfig's own check
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("block_size", "0"),
+        ("max_queue_size", "many"),
+        ("default_top_p", "2"),
+        ("device", "tpu"),
+        ("no_such_param", "1"),
+        ("max_tokens_in_paged_kv_cache", "8"),
+    ],
+)  # EngineConfig's own check
 def test_bad_parameter_fails_load_naming_it(model_module, name, value):
     with pytest.raises(ParamError, match=f"'{name}'"):
         load(model_module, {name: value})
@@ -300,8 +343,10 @@ def test_non_decoupled_config_is_refused(model_module):
 
 # --- streaming and single responses ------------------------------------------------------------------------------
 def test_streaming_sends_deltas_then_final(model):
-    (req,) = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(3, np.int32),
-                                     "stream": scalar(True, np.bool_)}))
+    (req,) = run(
+        model,
+        FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(3, np.int32), "stream": scalar(True, np.bool_)}),
+    )
     drain(model)
     assert req.sender.texts() == [" w1", " w2", " w3"]
     assert [f for _, f in req.sender.sent] == [0, 0, FINAL]
@@ -311,18 +356,34 @@ def test_streaming_sends_deltas_then_final(model):
 
 
 def test_llmapi_streaming_sends_the_whole_text_so_far(model):
-    (req,) = run(model, FakeRequest({"text_input": text("Hi"), "sampling_param_max_tokens": scalar(3, np.int32),
-                                     "streaming": scalar(True, np.bool_),
-                                     "sampling_param_return_perf_metrics": scalar(True, np.bool_)}))
+    (req,) = run(
+        model,
+        FakeRequest(
+            {
+                "text_input": text("Hi"),
+                "sampling_param_max_tokens": scalar(3, np.int32),
+                "streaming": scalar(True, np.bool_),
+                "sampling_param_return_perf_metrics": scalar(True, np.bool_),
+            }
+        ),
+    )
     drain(model)
     assert req.sender.texts() == [" w1", " w1 w2", " w1 w2 w3"]
     assert all("arrival_time_ns" in r.outputs and "kv_cache_hit_rate" in r.outputs for r, _ in req.sender.sent)
 
 
 def test_single_response_echoes_prompt_unless_excluded(model):
-    a, b = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32)}),
-               FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32),
-                            "exclude_input_in_output": scalar(True, np.bool_)}))
+    a, b = run(
+        model,
+        FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32)}),
+        FakeRequest(
+            {
+                "text_input": text("Hi"),
+                "max_tokens": scalar(2, np.int32),
+                "exclude_input_in_output": scalar(True, np.bool_),
+            }
+        ),
+    )
     drain(model)
     assert a.sender.texts() == ["Hi w1 w2"] and b.sender.texts() == [" w1 w2"]
     response, flags = a.sender.sent[0]
@@ -338,15 +399,18 @@ def test_defaults_apply_when_inputs_are_missing(model_module):
     model.finalize()
 
 
-@pytest.mark.parametrize("name,value", [
-    ("max_tokens", np.array([2], dtype=np.int64)),  # shape [1], another width
-    ("max_tokens", np.array([[2.0]], dtype=np.float32)),  # an integral float
-    ("temperature", np.array([[0]], dtype=np.int32)),
-    ("top_p", np.array([0.5], dtype=np.float64)),
-    ("random_seed", np.array([[2**63 + 5]], dtype=np.uint64)),
-    ("stream", np.array([[1]], dtype=np.int8)),
-    ("stop_words", np.array([[b"", b"\n\n"]], dtype=np.object_)),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("max_tokens", np.array([2], dtype=np.int64)),  # shape [1], another width
+        ("max_tokens", np.array([[2.0]], dtype=np.float32)),  # an integral float
+        ("temperature", np.array([[0]], dtype=np.int32)),
+        ("top_p", np.array([0.5], dtype=np.float64)),
+        ("random_seed", np.array([[2**63 + 5]], dtype=np.uint64)),
+        ("stream", np.array([[1]], dtype=np.int8)),
+        ("stop_words", np.array([[b"", b"\n\n"]], dtype=np.object_)),
+    ],
+)
 def test_inputs_accept_shapes_and_widths(model, name, value):
     (req,) = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32), name: value}))
     drain(model)
@@ -354,27 +418,30 @@ def test_inputs_accept_shapes_and_widths(model, name, value):
 
 
 # --- bad input --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("inputs,field", [
-    ({}, "text_input"),
-    ({"text_input": text("")}, "text_input"),
-    ({"text_input": np.array([[b"\xff\xfe"]], dtype=np.object_)}, "text_input"),
-    ({"text_input": np.array([[b"a", b"b"]], dtype=np.object_)}, "text_input"),
-    ({"text_input": np.array([[1]], dtype=np.int32)}, "text_input"),
-    ({"max_tokens": scalar(2.5, np.float32)}, "max_tokens"),
-    ({"max_tokens": scalar(0, np.int32)}, "max_tokens"),
-    ({"max_tokens": np.array([[1, 2]], dtype=np.int32)}, "max_tokens"),
-    ({"max_tokens": scalar(1000, np.int32)}, "max_tokens"),  # beyond the (fake) context
-    ({"max_tokens": text("3")}, "max_tokens"),
-    ({"temperature": scalar(-1, np.float32)}, "temperature"),
-    ({"temperature": scalar(np.nan, np.float32)}, "temperature"),
-    ({"top_k": scalar(-2, np.int32)}, "top_k"),
-    ({"top_p": scalar(0.0, np.float32)}, "top_p"),
-    ({"min_length": scalar(-1, np.int32)}, "min_length"),
-    ({"stream": scalar(3, np.int32)}, "stream"),
-    ({"stop_words": scalar(3, np.int32)}, "stop_words"),
-    ({"beam_width": scalar(4, np.int32)}, "beam_width"),
-    ({"text_input": text("x" * 2000)}, "text_input"),  # the engine's "prompt" renamed
-])
+@pytest.mark.parametrize(
+    "inputs,field",
+    [
+        ({}, "text_input"),
+        ({"text_input": text("")}, "text_input"),
+        ({"text_input": np.array([[b"\xff\xfe"]], dtype=np.object_)}, "text_input"),
+        ({"text_input": np.array([[b"a", b"b"]], dtype=np.object_)}, "text_input"),
+        ({"text_input": np.array([[1]], dtype=np.int32)}, "text_input"),
+        ({"max_tokens": scalar(2.5, np.float32)}, "max_tokens"),
+        ({"max_tokens": scalar(0, np.int32)}, "max_tokens"),
+        ({"max_tokens": np.array([[1, 2]], dtype=np.int32)}, "max_tokens"),
+        ({"max_tokens": scalar(1000, np.int32)}, "max_tokens"),  # beyond the (fake) context
+        ({"max_tokens": text("3")}, "max_tokens"),
+        ({"temperature": scalar(-1, np.float32)}, "temperature"),
+        ({"temperature": scalar(np.nan, np.float32)}, "temperature"),
+        ({"top_k": scalar(-2, np.int32)}, "top_k"),
+        ({"top_p": scalar(0.0, np.float32)}, "top_p"),
+        ({"min_length": scalar(-1, np.int32)}, "min_length"),
+        ({"stream": scalar(3, np.int32)}, "stream"),
+        ({"stop_words": scalar(3, np.int32)}, "stop_words"),
+        ({"beam_width": scalar(4, np.int32)}, "beam_width"),
+        ({"text_input": text("x" * 2000)}, "text_input"),  # the engine's "prompt" renamed
+    ],
+)
 def test_bad_input_gets_invalid_arg_naming_the_field(model, inputs, field):
     inputs = {"text_input": text("Hi")} | inputs if inputs else {}
     (req,) = run(model, FakeRequest(inputs))
@@ -389,8 +456,9 @@ def test_bad_input_gets_invalid_arg_naming_the_field(model, inputs, field):
 
 
 def test_queue_full_is_unavailable_and_running_requests_continue(model):
-    running = run(model, *[FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32)})
-                           for _ in range(4)])
+    running = run(
+        model, *[FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(2, np.int32)}) for _ in range(4)]
+    )
     (extra,) = run(model, FakeRequest({"text_input": text("Hi")}))
     assert extra.sender.error.code() == FakeTritonError.UNAVAILABLE and extra.sender.finished
     drain(model)
@@ -406,8 +474,13 @@ def test_engine_error_becomes_an_internal_error_response(model):
 
 # --- cancellation -----------------------------------------------------------------------------------------------
 def test_stop_input_cancels_the_request_with_the_same_id(model):
-    (req,) = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(50, np.int32),
-                                     "stream": scalar(True, np.bool_)}, request_id="r-7"))
+    (req,) = run(
+        model,
+        FakeRequest(
+            {"text_input": text("Hi"), "max_tokens": scalar(50, np.int32), "stream": scalar(True, np.bool_)},
+            request_id="r-7",
+        ),
+    )
     step(model)
     (stop,) = run(model, FakeRequest({"stop": scalar(True, np.bool_)}, request_id="r-7"))
     assert stop.sender.finished and stop.sender.error is None
@@ -416,8 +489,10 @@ def test_stop_input_cancels_the_request_with_the_same_id(model):
 
 
 def test_cancelled_client_is_aborted_by_the_watcher(model):
-    (req,) = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(50, np.int32),
-                                     "stream": scalar(True, np.bool_)}))
+    (req,) = run(
+        model,
+        FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(50, np.int32), "stream": scalar(True, np.bool_)}),
+    )
     step(model)
     req.sender.cancelled = True
     deadline = time.monotonic() + 2
@@ -432,14 +507,27 @@ def test_cancelled_client_is_aborted_by_the_watcher(model):
 # --- metrics ----------------------------------------------------------------------------------------------------
 def test_metrics_families_and_updates(model):
     fams = FakeMetricFamily.created
-    for name in ("morphserve_requests", "morphserve_kv_cache_blocks", "morphserve_kv_cache_usage_ratio",
-                 "morphserve_int4_layers", "morphserve_kv_capacity_blocks", "morphserve_memory_bytes",
-                 "morphserve_preemptions_total", "morphserve_prompt_tokens_total",
-                 "morphserve_generation_tokens_total", "morphserve_requests_total", "morphserve_layer_swaps_total",
-                 "morphserve_kv_resizes_total", "morphserve_swap_failures_total",
-                 "morphserve_time_to_first_token_seconds", "morphserve_time_per_output_token_seconds",
-                 "morphserve_e2e_request_latency_seconds", "morphserve_request_queue_time_seconds",
-                 "morphserve_swap_prepare_seconds", "morphserve_swap_apply_seconds"):
+    for name in (
+        "morphserve_requests",
+        "morphserve_kv_cache_blocks",
+        "morphserve_kv_cache_usage_ratio",
+        "morphserve_int4_layers",
+        "morphserve_kv_capacity_blocks",
+        "morphserve_memory_bytes",
+        "morphserve_preemptions_total",
+        "morphserve_prompt_tokens_total",
+        "morphserve_generation_tokens_total",
+        "morphserve_requests_total",
+        "morphserve_layer_swaps_total",
+        "morphserve_kv_resizes_total",
+        "morphserve_swap_failures_total",
+        "morphserve_time_to_first_token_seconds",
+        "morphserve_time_per_output_token_seconds",
+        "morphserve_e2e_request_latency_seconds",
+        "morphserve_request_queue_time_seconds",
+        "morphserve_swap_prepare_seconds",
+        "morphserve_swap_apply_seconds",
+    ):
         assert name in fams and name in model.metrics.families  # referenced, never collected
     assert fams["morphserve_kv_capacity_blocks"].get().value == 8192 // 16
     run(model, *[FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(3, np.int32)}) for _ in range(2)])
@@ -466,8 +554,10 @@ def test_rejected_requests_count_as_errors(model):
 # --- finalize ---------------------------------------------------------------------------------------------------
 def test_finalize_drains_joins_and_refuses_new_requests(model_module):
     model = load(model_module, {"drain_timeout_s": "1.5"})
-    (req,) = run(model, FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(50, np.int32),
-                                     "stream": scalar(True, np.bool_)}))
+    (req,) = run(
+        model,
+        FakeRequest({"text_input": text("Hi"), "max_tokens": scalar(50, np.int32), "stream": scalar(True, np.bool_)}),
+    )
     model.finalize()
     assert model.engine.shut_down_with == 1.5
     assert req.sender.finished  # aborted by the drain: the client still got its final response

@@ -1,4 +1,5 @@
 """trtllm_backend.triton.params: the parameter table, parsing, validation messages, the table in docs/configuration.md."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,8 @@ def test_defaults_parse_and_fill_every_target():
     assert parsed.sampling == {"max_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0}
     assert parsed.model.drain_timeout_s == 5.0
     assert {f.name for f in dataclasses.fields(triton_params.ModelSettings)} == {
-        p.field for p in PARAMS if p.scope == "model"}
+        p.field for p in PARAMS if p.scope == "model"
+    }
 
 
 def test_names_are_unique_and_targets_well_formed():
@@ -51,18 +53,21 @@ def test_engine_targets_are_engine_config_fields_with_the_same_defaults():
                 assert p.parse(p.default) == defaults[p.field], p.name
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("block_size", "abc", "must be an int"),
-    ("block_size", "0", "must be >= 1"),
-    ("max_tokens_in_paged_kv_cache", "1.5", "must be an int"),
-    ("default_top_p", "0", "in (0.0, 1.0]"),
-    ("default_temperature", "nan", "must be a float"),
-    ("default_temperature", "-0.5", ">= 0.0"),
-    ("device", "tpu", "cpu / cuda"),
-    ("fragment_dir", "", "non-empty"),
-    ("metrics_interval_s", "0", "> 0.0"),
-    ("max_model_len", "0", ">= 1"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("block_size", "abc", "must be an int"),
+        ("block_size", "0", "must be >= 1"),
+        ("max_tokens_in_paged_kv_cache", "1.5", "must be an int"),
+        ("default_top_p", "0", "in (0.0, 1.0]"),
+        ("default_temperature", "nan", "must be a float"),
+        ("default_temperature", "-0.5", ">= 0.0"),
+        ("device", "tpu", "cpu / cuda"),
+        ("fragment_dir", "", "non-empty"),
+        ("metrics_interval_s", "0", "> 0.0"),
+        ("max_model_len", "0", ">= 1"),
+    ],
+)
 def test_bad_values_name_the_parameter(name, value, needle):
     with pytest.raises(ParamError) as info:
         parse_params({name: value})
@@ -86,7 +91,8 @@ def test_morph_thresholds_fill_only_what_is_set():
 def test_morph_threshold_names_match_the_controller():
     controller = pytest.importorskip("trtllm_backend.controller")
     assert {p.field.partition(".")[2] for p in PARAMS if p.field.startswith("morph_overrides.")} == set(
-        controller.MorphPolicy.TUNABLE)
+        controller.MorphPolicy.TUNABLE
+    )
 
 
 def test_optional_values_and_whitespace():

@@ -4,6 +4,7 @@ gRPC streaming, HTTP generate / generate_stream, 16 concurrent clients checked a
 decoding (near-tie rule), cancellation freeing KV blocks, bad input over the wire, the queue cap, metrics,
 a short perf_analyzer sweep, and a bad parameter refused at model load.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,28 @@ from conftest import ROOT, TEST_SERVER_PARAMS, free_ports
 
 pytestmark = [pytest.mark.needs_model, pytest.mark.server]
 MODEL = "smollm2"
-TRITON_TYPES = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "temperature": "FP32",
-                "top_k": "INT32", "top_p": "FP32", "random_seed": "UINT64", "stop_words": "BYTES",
-                "exclude_input_in_output": "BOOL", "min_length": "INT32", "beam_width": "INT32", "stop": "BOOL"}
-NUMPY_TYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "BOOL": np.bool_, "FP32": np.float32,
-               "UINT64": np.uint64}
+TRITON_TYPES = {
+    "text_input": "BYTES",
+    "max_tokens": "INT32",
+    "stream": "BOOL",
+    "temperature": "FP32",
+    "top_k": "INT32",
+    "top_p": "FP32",
+    "random_seed": "UINT64",
+    "stop_words": "BYTES",
+    "exclude_input_in_output": "BOOL",
+    "min_length": "INT32",
+    "beam_width": "INT32",
+    "stop": "BOOL",
+}
+NUMPY_TYPES = {
+    "BYTES": np.object_,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "BOOL": np.bool_,
+    "FP32": np.float32,
+    "UINT64": np.uint64,
+}
 NEAR_TIE = 1e-3  # the engine issue's rule: greedy runs may part after a top-2 logit gap this small
 
 
@@ -128,7 +146,7 @@ def http_post(server, path: str, body: dict | bytes) -> tuple[int, str]:
 
 
 def sse_events(body: str) -> list[dict]:
-    return [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    return [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
 
 
 def metrics(server) -> dict[str, float]:
@@ -200,8 +218,15 @@ def test_http_generate_returns_one_response_with_the_prompt(triton_server):
 
 def test_http_generate_stream_sse(triton_server):
     # Exactly what the vLLM serving benchmark's tensorrt-llm client posts (an unknown key included).
-    body = {"accumulate_tokens": True, "text_input": "The capital of France is", "temperature": 0.0, "top_p": 1.0,
-            "max_tokens": 6, "stream": True, "min_length": 6}
+    body = {
+        "accumulate_tokens": True,
+        "text_input": "The capital of France is",
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_tokens": 6,
+        "stream": True,
+        "min_length": 6,
+    }
     status, text = http_post(triton_server, "generate_stream", body)
     assert status == 200, text
     events = sse_events(text)
@@ -252,43 +277,87 @@ def grpc_results(url: str, tensors: list, timeout: float = 60.0) -> list:
 
 def test_llmapi_names_stream_the_whole_text_and_report_timing(triton_server):
     # Longer than two KV blocks, so the plain request leaves full blocks in the prefix cache for the second.
-    prompt = ("Paris is the capital and largest city of France. It sits on the Seine river in the north of the "
-              "country, and it has been a centre of finance, diplomacy, commerce, fashion and science for "
-              "centuries. The capital of France is")
+    prompt = (
+        "Paris is the capital and largest city of France. It sits on the Seine river in the north of the "
+        "country, and it has been a centre of finance, diplomacy, commerce, fashion and science for "
+        "centuries. The capital of France is"
+    )
     plain = stream_generate(triton_server.grpc_url, prompt, 8)
-    results = grpc_results(triton_server.grpc_url, named(
-        text_input=prompt, sampling_param_max_tokens=8, streaming=True, sampling_param_temperature=0.0,
-        return_finish_reason=True, return_stop_reason=True, return_cumulative_logprob=True,
-        sampling_param_return_perf_metrics=True))
-    texts = [r.as_numpy("text_output").reshape(-1)[0].decode() for r in results if r.as_numpy("text_output") is not None]
+    results = grpc_results(
+        triton_server.grpc_url,
+        named(
+            text_input=prompt,
+            sampling_param_max_tokens=8,
+            streaming=True,
+            sampling_param_temperature=0.0,
+            return_finish_reason=True,
+            return_stop_reason=True,
+            return_cumulative_logprob=True,
+            sampling_param_return_perf_metrics=True,
+        ),
+    )
+    texts = [
+        r.as_numpy("text_output").reshape(-1)[0].decode() for r in results if r.as_numpy("text_output") is not None
+    ]
     assert texts[-1] == plain.text and all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative
     last = [r for r in results if r.as_numpy("text_output") is not None][-1]
-    one = {n: last.as_numpy(n).reshape(-1)[0] for n in (
-        "finish_reason", "stop_reason", "cumulative_logprob", "arrival_time_ns", "first_scheduled_time_ns",
-        "first_token_time_ns", "last_token_time_ns", "kv_cache_reused_block", "kv_cache_missed_block",
-        "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "total_draft_tokens")}
+    one = {
+        n: last.as_numpy(n).reshape(-1)[0]
+        for n in (
+            "finish_reason",
+            "stop_reason",
+            "cumulative_logprob",
+            "arrival_time_ns",
+            "first_scheduled_time_ns",
+            "first_token_time_ns",
+            "last_token_time_ns",
+            "kv_cache_reused_block",
+            "kv_cache_missed_block",
+            "kv_cache_alloc_total_blocks",
+            "kv_cache_hit_rate",
+            "total_draft_tokens",
+        )
+    }
     assert one["finish_reason"] == b"length" and one["stop_reason"] == b""
     assert one["cumulative_logprob"] < 0
-    assert 0 < one["arrival_time_ns"] <= one["first_scheduled_time_ns"] <= one["first_token_time_ns"] <= one["last_token_time_ns"]
+    assert (
+        0
+        < one["arrival_time_ns"]
+        <= one["first_scheduled_time_ns"]
+        <= one["first_token_time_ns"]
+        <= one["last_token_time_ns"]
+    )
     # the plain request left its full prompt blocks cached; nothing runs in between to evict them
     assert one["kv_cache_reused_block"] >= 1 and 0 < one["kv_cache_hit_rate"] <= 1
     assert one["kv_cache_alloc_total_blocks"] >= one["kv_cache_reused_block"] and one["total_draft_tokens"] == 0
 
 
 def test_llmapi_names_over_http_and_refusals_by_name(triton_server):
-    status, body = http_post(triton_server, "generate", {"text_input": "The capital of France is",
-                                                         "sampling_param_max_tokens": 6, "return_stop_reason": True,
-                                                         "sampling_param_stop": ["."]})
+    status, body = http_post(
+        triton_server,
+        "generate",
+        {
+            "text_input": "The capital of France is",
+            "sampling_param_max_tokens": 6,
+            "return_stop_reason": True,
+            "sampling_param_stop": ["."],
+        },
+    )
     assert status == 200, body
     out = json.loads(body)
     assert out["text_output"] == " Paris" and out["stop_reason"] == "." and out["finish_reason"] == "stop", out
-    for bad, name in (({"lora_name": "x"}, "lora_name"), ({"max_tokens": 3, "sampling_param_max_tokens": 4},
-                                                            "sampling_param_max_tokens")):
+    for bad, name in (
+        ({"lora_name": "x"}, "lora_name"),
+        ({"max_tokens": 3, "sampling_param_max_tokens": 4}, "sampling_param_max_tokens"),
+    ):
         status, body = http_post(triton_server, "generate", {"text_input": "Hi"} | bad)
         assert status == 400 and f"{name}: " in body, body
     assert stream_generate(triton_server.grpc_url, "Hi", 2).error is None  # the server carries on
-    status, body = http_post(triton_server, "generate", {"text_input": "The capital of France is", "max_tokens": 3,
-                                                         "top_logprobs": 2, "exclude_input_in_output": True})
+    status, body = http_post(
+        triton_server,
+        "generate",
+        {"text_input": "The capital of France is", "max_tokens": 3, "top_logprobs": 2, "exclude_input_in_output": True},
+    )
     assert status == 200, body
     out = json.loads(body)  # the [1, n, k] alternatives come back over HTTP too
     assert len(out["output_log_probs"]) == 3 and len(out["output_top_logprobs"]) in (3, 6), out
@@ -296,8 +365,10 @@ def test_llmapi_names_over_http_and_refusals_by_name(triton_server):
 
 def test_log_probs_over_grpc_with_alternatives_and_the_prompt(triton_server):
     prompt = "The capital of France is"
-    results = grpc_results(triton_server.grpc_url, named(
-        text_input=prompt, max_tokens=5, stream=True, top_logprobs=3, return_prompt_log_probs=True))
+    results = grpc_results(
+        triton_server.grpc_url,
+        named(text_input=prompt, max_tokens=5, stream=True, top_logprobs=3, return_prompt_log_probs=True),
+    )
     pieces = [r for r in results if r.as_numpy("text_output") is not None]
     ids = np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in pieces])
     lps = np.concatenate([r.as_numpy("output_log_probs").reshape(-1) for r in pieces])
@@ -317,8 +388,12 @@ def test_log_probs_over_grpc_with_alternatives_and_the_prompt(triton_server):
 def test_guided_decoding_over_grpc_matches_the_schema(triton_server):
     import jsonschema
 
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
     prompt = "<|im_start|>user\nDescribe Paris as JSON.<|im_end|>\n<|im_start|>assistant\n"
     r = stream_generate_guided(triton_server, prompt, "json_schema", json.dumps(schema))
     assert r.error is None, r.error
@@ -332,8 +407,10 @@ def test_guided_decoding_over_grpc_matches_the_schema(triton_server):
 def stream_generate_guided(triton_server, prompt: str, kind: str, guide: str) -> StreamResult:
     s = GrpcStream(triton_server.grpc_url)
     try:
-        return s.request(inputs(text_input=prompt, max_tokens=64, stream=True) + named(
-            guided_decoding_guide_type=kind, guided_decoding_guide=guide))
+        return s.request(
+            inputs(text_input=prompt, max_tokens=64, stream=True)
+            + named(guided_decoding_guide_type=kind, guided_decoding_guide=guide)
+        )
     finally:
         s.close()
 
@@ -383,10 +460,11 @@ def assert_greedy_match(served: list[str], offline: list[str], gaps: list[float]
     n = min(len(served), len(offline))
     for k in range(n):
         if "".join(served[: k + 1]) != "".join(offline[: k + 1]):
-            window = gaps[max(0, k - 3): k + 1]  # a token may change without changing its text yet
+            window = gaps[max(0, k - 3) : k + 1]  # a token may change without changing its text yet
             assert window and min(window) < NEAR_TIE, (
                 f"served and offline greedy differ at token {k} without a near tie (gaps {window})\n"
-                f"prompt: {prompt!r}\nserved:  {''.join(served)!r}\noffline: {''.join(offline)!r}")
+                f"prompt: {prompt!r}\nserved:  {''.join(served)!r}\noffline: {''.join(offline)!r}"
+            )
             return
     assert len(served) == len(offline), (served, offline)
 
@@ -420,8 +498,10 @@ def test_cancelled_stream_frees_its_kv_blocks(triton_server):
 def test_stop_input_cancels_the_request_with_that_id(triton_server):
     s, stopper = GrpcStream(triton_server.grpc_url), GrpcStream(triton_server.grpc_url)
     try:
-        s.send(inputs(text_input="Tell me a long story.", max_tokens=1000, min_length=1000, stream=True),
-               request_id="long-1")
+        s.send(
+            inputs(text_input="Tell me a long story.", max_tokens=1000, min_length=1000, stream=True),
+            request_id="long-1",
+        )
         s.events.get(timeout=60)
         ack = stopper.request([tensor("stop", True)], request_id="long-1")
         assert ack.error is None
@@ -475,15 +555,18 @@ def test_bad_grpc_input_gets_an_error_naming_the_field(triton_server):
         s.close()
 
 
-@pytest.mark.parametrize("body,name", [
-    ({"max_tokens": 4}, "text_input"),
-    ({"text_input": ""}, "text_input"),
-    ({"text_input": "Hi", "max_tokens": -1}, "max_tokens"),
-    ({"text_input": "Hi", "max_tokens": 100000}, "max_tokens"),
-    ({"text_input": "Hi", "temperature": -1}, "temperature"),
-    ({"text_input": "Hi", "top_p": 2}, "top_p"),
-    ({"text_input": "Hi", "min_length": -1}, "min_length"),
-])
+@pytest.mark.parametrize(
+    "body,name",
+    [
+        ({"max_tokens": 4}, "text_input"),
+        ({"text_input": ""}, "text_input"),
+        ({"text_input": "Hi", "max_tokens": -1}, "max_tokens"),
+        ({"text_input": "Hi", "max_tokens": 100000}, "max_tokens"),
+        ({"text_input": "Hi", "temperature": -1}, "temperature"),
+        ({"text_input": "Hi", "top_p": 2}, "top_p"),
+        ({"text_input": "Hi", "min_length": -1}, "min_length"),
+    ],
+)
 def test_bad_http_input_gets_400_naming_the_field(triton_server, body, name):
     status, text = http_post(triton_server, "generate", body)
     assert status == 400 and json.loads(text)["error"].startswith(f"{name}: "), (status, text)
@@ -498,8 +581,10 @@ def test_queue_cap_rejects_at_once_and_running_requests_finish(triton_server):
     errors: list[str] = []
     try:
         for i in range(n):
-            s.send(inputs(text_input=f"Burst request number {i} says", max_tokens=max_tokens, stream=True),
-                   request_id=f"burst-{i}")
+            s.send(
+                inputs(text_input=f"Burst request number {i} says", max_tokens=max_tokens, stream=True),
+                request_id=f"burst-{i}",
+            )
         finals = 0
         while finals + len(errors) < n:
             result, error, _ = s.events.get(timeout=120)
@@ -522,13 +607,25 @@ def test_queue_cap_rejects_at_once_and_running_requests_finish(triton_server):
 
 # --- metrics ----------------------------------------------------------------------------------------------------
 METRIC_FAMILIES = [
-    "morphserve_requests", "morphserve_kv_cache_blocks", "morphserve_kv_cache_usage_ratio", "morphserve_int4_layers",
-    "morphserve_kv_capacity_blocks", "morphserve_memory_bytes", "morphserve_preemptions_total",
-    "morphserve_prompt_tokens_total", "morphserve_generation_tokens_total", "morphserve_requests_total",
-    "morphserve_layer_swaps_total", "morphserve_kv_resizes_total", "morphserve_swap_failures_total",
-    "morphserve_time_to_first_token_seconds", "morphserve_time_per_output_token_seconds",
-    "morphserve_e2e_request_latency_seconds", "morphserve_request_queue_time_seconds",
-    "morphserve_swap_prepare_seconds", "morphserve_swap_apply_seconds",
+    "morphserve_requests",
+    "morphserve_kv_cache_blocks",
+    "morphserve_kv_cache_usage_ratio",
+    "morphserve_int4_layers",
+    "morphserve_kv_capacity_blocks",
+    "morphserve_memory_bytes",
+    "morphserve_preemptions_total",
+    "morphserve_prompt_tokens_total",
+    "morphserve_generation_tokens_total",
+    "morphserve_requests_total",
+    "morphserve_layer_swaps_total",
+    "morphserve_kv_resizes_total",
+    "morphserve_swap_failures_total",
+    "morphserve_time_to_first_token_seconds",
+    "morphserve_time_per_output_token_seconds",
+    "morphserve_e2e_request_latency_seconds",
+    "morphserve_request_queue_time_seconds",
+    "morphserve_swap_prepare_seconds",
+    "morphserve_swap_apply_seconds",
 ]
 
 
@@ -542,8 +639,9 @@ def test_metrics_families_move_and_ttft_counts_served_requests(triton_server):
     # The histograms are observed just after the final response leaves; the counters on the next metrics tick.
     e2e = "morphserve_e2e_request_latency_seconds_count"
     tokens = "morphserve_generation_tokens_total"
-    after = wait_for(lambda: (m := metrics(triton_server))[e2e] >= before[e2e] + 3
-                     and m[tokens] >= before[tokens] + 12 and m)
+    after = wait_for(
+        lambda: (m := metrics(triton_server))[e2e] >= before[e2e] + 3 and m[tokens] >= before[tokens] + 12 and m
+    )
     ttft = "morphserve_time_to_first_token_seconds_count"
     success = 'morphserve_requests_total{status="success"}'
     assert after[ttft] - before[ttft] == 3 == after[success] - before[success]
@@ -561,8 +659,16 @@ def test_perf_analyzer_streaming_sweep(triton_server, tmp_path):
 
     prompts = corpus_prompts(8)
     input_json = pa.write_input_json(prompts, max_tokens=8, path=tmp_path / "inputs.json")
-    levels = pa.run_sweep(triton_server.grpc_url, MODEL, "1:4", input_json, tmp_path, ROOT / "build" / "perf_analyzer",
-                          request_count=2, timeout_s=180)
+    levels = pa.run_sweep(
+        triton_server.grpc_url,
+        MODEL,
+        "1:4",
+        input_json,
+        tmp_path,
+        ROOT / "build" / "perf_analyzer",
+        request_count=2,
+        timeout_s=180,
+    )
     assert [lv.concurrency for lv in levels] == [1, 2, 3, 4]
     for lv in levels:
         assert lv.requests >= max(2, lv.concurrency) and 0 < lv.output_tokens <= 8 * lv.requests
@@ -576,9 +682,18 @@ def test_bad_parameter_fails_model_load_naming_it(tmp_path):
 
     http, grpc, metrics_port = free_ports(3)
     with pytest.raises(RuntimeError) as info:
-        serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
-                     params={"block_size": "sixteen"}, check_params=False, build_dir=tmp_path,
-                     log_path=tmp_path / "server.log", ready_timeout=120, exit_timeout_s=5)
+        serve.launch(
+            ROOT / "model_repository",
+            http_port=http,
+            grpc_port=grpc,
+            metrics_port=metrics_port,
+            params={"block_size": "sixteen"},
+            check_params=False,
+            build_dir=tmp_path,
+            log_path=tmp_path / "server.log",
+            ready_timeout=120,
+            exit_timeout_s=5,
+        )
     assert "parameter 'block_size'" in (tmp_path / "server.log").read_text(), str(info.value)
 
 
@@ -587,9 +702,16 @@ def test_stub_crash_stops_the_server_instead_of_hanging(tmp_path):
     from trtllm_backend import serve
 
     http, grpc, metrics_port = free_ports(3)
-    srv = serve.launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics_port,
-                       params=TEST_SERVER_PARAMS, build_dir=tmp_path, log_path=tmp_path / "server.log",
-                       exit_timeout_s=3)
+    srv = serve.launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics_port,
+        params=TEST_SERVER_PARAMS,
+        build_dir=tmp_path,
+        log_path=tmp_path / "server.log",
+        exit_timeout_s=3,
+    )
     try:
         (stub,) = srv.stub_pids()
         s = GrpcStream(srv.grpc_url)

@@ -1,6 +1,7 @@
 """trtllm_backend.triton.server without a model: free ports, launch's early refusals, and the ServerHandle
 lifecycle around a stand-in process group (a shell with two children in place of tritonserver and its stubs;
 tests/test_triton_server.py covers the same handle around the real server)."""
+
 from __future__ import annotations
 
 import socket
@@ -29,8 +30,7 @@ def test_launch_refuses_a_repository_without_the_model(tmp_path):
 
 def _stand_in(tmp_path: Path, **kwargs) -> ServerHandle:
     process = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
-    handle = ServerHandle(process, 0, 0, 0, "m", f"{SHM_PREFIX}test{uuid.uuid4().hex[:8]}_", exit_timeout_s=2,
-                          **kwargs)
+    handle = ServerHandle(process, 0, 0, 0, "m", f"{SHM_PREFIX}test{uuid.uuid4().hex[:8]}_", exit_timeout_s=2, **kwargs)
     deadline = time.monotonic() + 10
     while len(handle.stub_pids()) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -66,7 +66,9 @@ def test_stop_ends_the_group_and_removes_what_the_server_left(tmp_path):
 
 
 # Triton 2.51 sometimes aborts by itself within the watcher's poll interval of a stub's death: that counts too
-@pytest.mark.parametrize("interval, server_aborts", [(0.05, False), (2.0, True)], ids=["watcher-stops-it", "aborts-itself"])
+@pytest.mark.parametrize(
+    "interval, server_aborts", [(0.05, False), (2.0, True)], ids=["watcher-stops-it", "aborts-itself"]
+)
 def test_a_dead_child_stops_the_server_and_counts_as_a_stub_death(tmp_path, interval, server_aborts):
     handle = _stand_in(tmp_path)
     try:

@@ -1,6 +1,7 @@
 """trtllm_backend.triton.shutdown and ServerHandle.stop's use of it, around a stand-in process group: a
 "tritonserver" that ignores SIGTERM (as one held by an open gRPC stream does) and one "stub" child.
 tests/test_sigterm.py covers the same with the real server."""
+
 from __future__ import annotations
 
 import subprocess
@@ -26,12 +27,17 @@ def test_the_handshake_files(tmp_path, monkeypatch):
 
 def _held_server(control, drains: bool) -> ServerHandle:
     """A group leader ignoring SIGTERM with one child; the child plays a stub that drains when asked."""
-    stub = f"while [ ! -e {control}/drain ]; do sleep 0.05; done; touch {control}/drained.$$; sleep 300" if drains \
+    stub = (
+        f"while [ ! -e {control}/drain ]; do sleep 0.05; done; touch {control}/drained.$$; sleep 300"
+        if drains
         else "sleep 300"
-    process = subprocess.Popen(["bash", "-c", f"trap '' TERM; bash -c '{stub}' & wait; sleep 300"],
-                               start_new_session=True)
-    handle = ServerHandle(process, 0, 0, 0, "m", f"{SHM_PREFIX}test{uuid.uuid4().hex[:8]}_", control_dir=control,
-                          drain_timeout_s=2.0)
+    )
+    process = subprocess.Popen(
+        ["bash", "-c", f"trap '' TERM; bash -c '{stub}' & wait; sleep 300"], start_new_session=True
+    )
+    handle = ServerHandle(
+        process, 0, 0, 0, "m", f"{SHM_PREFIX}test{uuid.uuid4().hex[:8]}_", control_dir=control, drain_timeout_s=2.0
+    )
     deadline = time.monotonic() + 10
     while not handle.stub_pids() and time.monotonic() < deadline:
         time.sleep(0.05)

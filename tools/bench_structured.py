@@ -13,6 +13,7 @@
    median decode step time of each, their ratio (of the medians, and the median of the ratios of neighbouring
    steps), and the masking's share of each constrained step measured inside that step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,15 +25,30 @@ from pathlib import Path
 
 import torch
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
-    "role": {"enum": ["engineer", "teacher", "doctor"]},
-    "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"], "additionalProperties": False}},
-    "required": ["name", "age", "role", "skills", "address"], "additionalProperties": False}
-DOCUMENT = {"name": "Elizabeth Bennet", "age": 20, "role": "teacher", "skills": ["reading", "walking", "wit"],
-            "address": {"city": "Longbourn", "zip": "12345"}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0},
+        "role": {"enum": ["engineer", "teacher", "doctor"]},
+        "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "skills", "address"],
+    "additionalProperties": False,
+}
+DOCUMENT = {
+    "name": "Elizabeth Bennet",
+    "age": 20,
+    "role": "teacher",
+    "skills": ["reading", "walking", "wit"],
+    "address": {"city": "Longbourn", "zip": "12345"},
+}
 PROMPT = "Describe a character from a novel as JSON with name, age, role, skills and address."
 
 
@@ -161,8 +177,11 @@ def engine_ab(engines: dict, batch: int, rounds: int, max_tokens: int) -> dict:
                 guide = Guide("json_schema", json.dumps(SCHEMA)) if kind == "json_schema" else None
                 prompt = engine.tokenizer.chat_prompt(PROMPT)
                 for i in range(batch):
-                    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, guide=guide),
-                                       lambda o: None)
+                    engine.add_request(
+                        prompt,
+                        SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, guide=guide),
+                        lambda o: None,
+                    )
             turn = 0
             while True:
                 live = []
@@ -179,11 +198,17 @@ def engine_ab(engines: dict, batch: int, rounds: int, max_tokens: int) -> dict:
     finally:
         guided._masks.apply, engine_module.advance = apply, advance
     free, constrained = _median_ms(times["free"]), _median_ms(times["json_schema"])
-    return {"free_step_ms": free, "json_schema_step_ms": constrained, "steps": {k: len(v) for k, v in times.items()},
-            "step_ratio": round(constrained / free, 4),
-            "paired_step_ratio": {"median": round(statistics.median(paired), 4), "pairs": len(paired)},
-            "masking_share_of_step": {"median": round(statistics.median(shares), 4),
-                                      "p90": round(sorted(shares)[int(0.9 * (len(shares) - 1))], 4)}}
+    return {
+        "free_step_ms": free,
+        "json_schema_step_ms": constrained,
+        "steps": {k: len(v) for k, v in times.items()},
+        "step_ratio": round(constrained / free, 4),
+        "paired_step_ratio": {"median": round(statistics.median(paired), 4), "pairs": len(paired)},
+        "masking_share_of_step": {
+            "median": round(statistics.median(shares), 4),
+            "p90": round(sorted(shares)[int(0.9 * (len(shares) - 1))], 4),
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,8 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     from trtllm_backend.engine import LLMEngine
     from trtllm_backend.openai.tokens import TokenTexts
 
-    config = EngineConfig(fragment_dir=str(default_fragment_dir()), morph_policy="full", weight_dtype="float16",
-                          kv_cache_dtype="float16", prefill_chunk_tpot_share=0.0)
+    config = EngineConfig(
+        fragment_dir=str(default_fragment_dir()),
+        morph_policy="full",
+        weight_dtype="float16",
+        kv_cache_dtype="float16",
+        prefill_chunk_tpot_share=0.0,
+    )
     engines = {"free": LLMEngine(config), "json_schema": LLMEngine(config)}  # NOTE: twins, stepped in turn
     engine = engines["json_schema"]
     vocab = engine.manifest.config.vocab_size
@@ -210,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     texts = TokenTexts.from_fragments(engine.config.fragment_dir)
     vocab_bytes = [texts.bytes(i) for i in range(vocab)]
     ids = engine.tokenizer.encode(json.dumps(DOCUMENT, separators=(", ", ": "))) + [eos[0]]
-    result = {"batch": args.batch, "document_tokens": len(ids), "libraries": {},
-              "load_average_before": list(__import__("os").getloadavg())}
+    result = {
+        "batch": args.batch,
+        "document_tokens": len(ids),
+        "libraries": {},
+        "load_average_before": list(__import__("os").getloadavg()),
+    }
     result["libraries"]["llguidance"] = bench_llguidance(engine.tokenizer.to_json(), vocab, eos, ids, args.batch)
     result["libraries"]["outlines-core"] = bench_outlines(vocab_bytes, eos[0], ids, args.batch)
     try:

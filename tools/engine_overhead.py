@@ -4,6 +4,7 @@ thread). Run from the checkout to measure (cwd first on sys.path); alternate two
 
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.engine_overhead
 """
+
 from __future__ import annotations
 
 import statistics
@@ -16,8 +17,15 @@ from trtllm_backend.sampling import SamplingParams
 
 
 def overhead(policy: str, batches=(1, 16), steps: int = 40) -> list[str]:
-    eng = LLMEngine(EngineConfig(fragment_dir=default_fragment_dir(), morph_policy=policy, max_batch_size=max(batches),
-                                 weight_dtype="float16", num_threads=1))
+    eng = LLMEngine(
+        EngineConfig(
+            fragment_dir=default_fragment_dir(),
+            morph_policy=policy,
+            max_batch_size=max(batches),
+            weight_dtype="float16",
+            num_threads=1,
+        )
+    )
     eng.settle_morph()
     fwd: list[float] = []
     forward = eng.model.forward
@@ -32,8 +40,11 @@ def overhead(policy: str, batches=(1, 16), steps: int = 40) -> list[str]:
     lines = []
     for b in batches:
         for i in range(b):
-            eng.add_request(f"Chapter {i}. It was a bright cold day in April, and the clocks were striking",
-                            SamplingParams(max_tokens=steps + 20, ignore_eos=True), lambda o: None)
+            eng.add_request(
+                f"Chapter {i}. It was a bright cold day in April, and the clocks were striking",
+                SamplingParams(max_tokens=steps + 20, ignore_eos=True),
+                lambda o: None,
+            )
         eng.step()
         while any(r.num_computed < len(r.prompt_ids) for r in eng.requests.values()):
             eng.step()
@@ -46,8 +57,10 @@ def overhead(policy: str, batches=(1, 16), steps: int = 40) -> list[str]:
             eng.step()
             total.append(time.perf_counter() - t)
             outside.append(total[-1] - fwd[0])
-        lines.append(f"{policy} b{b}: step {statistics.median(total) * 1e3:.2f} ms, outside forward "
-                     f"{statistics.median(outside) * 1e3:.3f} ms")
+        lines.append(
+            f"{policy} b{b}: step {statistics.median(total) * 1e3:.2f} ms, outside forward "
+            f"{statistics.median(outside) * 1e3:.3f} ms"
+        )
         eng.abort_all()
     return lines
 

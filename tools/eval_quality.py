@@ -11,6 +11,7 @@ front-to-back, back-to-front, random (seeded) and LIS (the profiled swap order i
 quality.json (every number, plus the LIS curve for every k so serving reports can weight quality per token),
 quality.md (the table) and quality.png (the plot).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,11 @@ def orders(model: OfflineModel, seed: int) -> dict[str, list[int]]:
     n = model.config.num_layers
     shuffled = list(range(n))
     random.Random(seed).shuffle(shuffled)
-    out = {"front-to-back": list(range(n)), "back-to-front": list(range(n - 1, -1, -1)), f"random(seed={seed})": shuffled}
+    out = {
+        "front-to-back": list(range(n)),
+        "back-to-front": list(range(n - 1, -1, -1)),
+        f"random(seed={seed})": shuffled,
+    }
     if model.manifest.data.get("swap_order_profile"):
         out["LIS"] = model.manifest.swap_order()
     return out
@@ -90,8 +95,12 @@ def storage_check(args, t0: float) -> int:
     the served weight_dtype=float16 does), on the same held-out tokens."""
     import torch
 
-    out: dict = {"command": "python -m tools.eval_quality --storage-check", **code_version(),
-                 "load_avg_1m_start": round(os.getloadavg()[0], 2), "held_out": held_out_meta(args)}
+    out: dict = {
+        "command": "python -m tools.eval_quality --storage-check",
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "held_out": held_out_meta(args),
+    }
     for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)
         ids = held_out_ids(model.manifest, args)
@@ -108,19 +117,29 @@ def kv_cache_check(args, t0: float) -> int:
     served, with no INT4 layer and with every layer INT4 (LIS order), on the same held-out tokens."""
     import torch
 
-    out: dict = {"command": "python -m tools.eval_quality --kv-cache-check", **code_version(),
-                 "load_avg_1m_start": round(os.getloadavg()[0], 2), "weight_dtype": "float16",
-                 "held_out": held_out_meta(args), "runs": []}
-    models = {name: OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=torch.float16, kv_dtype=dtype)
-              for name, dtype in (("float32", torch.float32), ("float16", torch.float16))}
+    out: dict = {
+        "command": "python -m tools.eval_quality --kv-cache-check",
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "weight_dtype": "float16",
+        "held_out": held_out_meta(args),
+        "runs": [],
+    }
+    models = {
+        name: OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=torch.float16, kv_dtype=dtype)
+        for name, dtype in (("float32", torch.float32), ("float16", torch.float16))
+    }
     ids = held_out_ids(models["float32"].manifest, args)
     n = models["float32"].config.num_layers
     for layers in ([], models["float32"].manifest.swap_order()[:n]):
         row = {"int4_layers": len(layers)} | {f"kv_{name}": perplexity(m, ids, layers) for name, m in models.items()}
         row["float16_vs_float32_pct"] = 100 * (row["kv_float16"] / row["kv_float32"] - 1)
         out["runs"].append(row)
-        print(f"[quality] {len(layers)} INT4 layers: KV fp32 {row['kv_float32']:.4f}, fp16 {row['kv_float16']:.4f} "
-              f"({row['float16_vs_float32_pct']:+.4f}%)", flush=True)
+        print(
+            f"[quality] {len(layers)} INT4 layers: KV fp32 {row['kv_float32']:.4f}, fp16 {row['kv_float16']:.4f} "
+            f"({row['float16_vs_float32_pct']:+.4f}%)",
+            flush=True,
+        )
     path = _write_check(args, out, ids, t0, "kv_cache.json")
     print(f"[quality] {out['seconds']} s; wrote {path}")
     return 0
@@ -147,18 +166,28 @@ def head_check(args, t0: float) -> int:
 
     frag = Path(args.fragment_dir).resolve()
     shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag  # results name no path of this machine
-    out: dict = {"command": f"python -m tools.eval_quality --lm-head --fragment-dir {shown}", **code_version(),
-                 "load_avg_1m_start": round(os.getloadavg()[0], 2),
-                 "held_out": held_out_meta(args), "runs": []}
+    out: dict = {
+        "command": f"python -m tools.eval_quality --lm-head --fragment-dir {shown}",
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "held_out": held_out_meta(args),
+        "runs": [],
+    }
     for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
         model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)
         if model.head_int8 is None:
-            raise SystemExit(f"{args.fragment_dir}: no INT8 lm_head fragment (python -m engines.build_fragments --lm-head-int8)")
+            raise SystemExit(
+                f"{args.fragment_dir}: no INT8 lm_head fragment (python -m engines.build_fragments --lm-head-int8)"
+            )
         ids = held_out_ids(model.manifest, args)
         n = model.config.num_layers
         for layers in ([], model.manifest.swap_order()[:n]) if name == "float32" else ([],):
             row = {"weight_dtype": name, "int4_layers": len(layers)}
-            for head, int8, acts in (("full", False, "float32"), ("int8", True, "float32"), ("int8_w8a8", True, "int8")):
+            for head, int8, acts in (
+                ("full", False, "float32"),
+                ("int8", True, "float32"),
+                ("int8_w8a8", True, "int8"),
+            ):
                 previous = set_head_activations(acts)  # the INT8 head's activations (lm_head_activations)
                 try:
                     row[head] = perplexity(model, ids, layers, head_int8=int8)
@@ -167,10 +196,15 @@ def head_check(args, t0: float) -> int:
             row["int8_vs_full_pct"] = 100 * (row["int8"] / row["full"] - 1)
             row["int8_w8a8_vs_full_pct"] = 100 * (row["int8_w8a8"] / row["full"] - 1)
             out["runs"].append(row)
-            print(f"[quality] weights {name}, {len(layers)} INT4 layers: lm_head full {row['full']:.4f}, INT8 "
-                  f"{row['int8']:.4f} ({row['int8_vs_full_pct']:+.3f}%), INT8 with int8 activations "
-                  f"{row['int8_w8a8']:.4f} ({row['int8_w8a8_vs_full_pct']:+.3f}%)", flush=True)
-        head = out.setdefault("lm_head", {k: model.manifest.data["lm_head"].get(k) for k in ("swap_rank", "rank_profile")})
+            print(
+                f"[quality] weights {name}, {len(layers)} INT4 layers: lm_head full {row['full']:.4f}, INT8 "
+                f"{row['int8']:.4f} ({row['int8_vs_full_pct']:+.3f}%), INT8 with int8 activations "
+                f"{row['int8_w8a8']:.4f} ({row['int8_w8a8_vs_full_pct']:+.3f}%)",
+                flush=True,
+            )
+        head = out.setdefault(
+            "lm_head", {k: model.manifest.data["lm_head"].get(k) for k in ("swap_rank", "rank_profile")}
+        )
         head.setdefault("bytes", {"int8": model.head_int8.nbytes})["full_" + name] = model.head_full.nbytes
     path = _write_check(args, out, ids, t0, "lm_head.json")
     print(f"[quality] {out['seconds']} s; wrote {path}")
@@ -184,9 +218,13 @@ def activations_check(args, t0: float) -> int:
     prefill path's (dequantize + MKL) with fp32 and with bf16 matmuls. Full-precision layers are unaffected."""
     from plugins.quant_matmul import decode_kernel_everywhere, set_int4_activations, set_int4_prefill
 
-    out: dict = {"command": "python -m tools.eval_quality --int4-activations", **code_version(),
-                 "load_avg_1m_start": round(os.getloadavg()[0], 2),
-                 "held_out": held_out_meta(args), "runs": []}
+    out: dict = {
+        "command": "python -m tools.eval_quality --int4-activations",
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "held_out": held_out_meta(args),
+        "runs": [],
+    }
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
     ids = held_out_ids(model.manifest, args)
     order, n = model.manifest.swap_order(), model.config.num_layers
@@ -204,10 +242,13 @@ def activations_check(args, t0: float) -> int:
                     row[f"decode_kernel_{name}"] = perplexity(model, ids, order[:k])
             row["int8_vs_float32_pct"] = 100 * (row["decode_kernel_int8"] / row["decode_kernel_float32"] - 1)
             out["runs"].append(row)
-            print(f"[quality] {k} INT4 layers: prefill path {row['prefill_path']:.4f} (bf16 {row['prefill_path_bf16']:.4f}, "
-                  f"{row['prefill_bf16_vs_float32_pct']:+.3f}%), decode kernel fp32 "
-                  f"{row['decode_kernel_float32']:.4f}, int8 {row['decode_kernel_int8']:.4f} "
-                  f"({row['int8_vs_float32_pct']:+.3f}%)", flush=True)
+            print(
+                f"[quality] {k} INT4 layers: prefill path {row['prefill_path']:.4f} (bf16 {row['prefill_path_bf16']:.4f}, "
+                f"{row['prefill_bf16_vs_float32_pct']:+.3f}%), decode kernel fp32 "
+                f"{row['decode_kernel_float32']:.4f}, int8 {row['decode_kernel_int8']:.4f} "
+                f"({row['int8_vs_float32_pct']:+.3f}%)",
+                flush=True,
+            )
     finally:
         set_int4_activations(previous[0])
         set_int4_prefill(previous[1])
@@ -230,9 +271,13 @@ def q4_1_check(args, t0: float) -> int:
 
     frag = Path(args.fragment_dir).resolve()
     shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag.name  # results name no path of this machine
-    out: dict = {"command": f"python -m tools.eval_quality --q4-1 --fragment-dir {shown}", **code_version(),
-                 "load_avg_1m_start": round(os.getloadavg()[0], 2),
-                 "held_out": held_out_meta(args), "runs": []}
+    out: dict = {
+        "command": f"python -m tools.eval_quality --q4-1 --fragment-dir {shown}",
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "held_out": held_out_meta(args),
+        "runs": [],
+    }
     q41 = OfflineModel(args.fragment_dir, max_len=args.seq_len, quantized=Precision.Q4_1)
     ids = held_out_ids(q41.manifest, args)
     n = q41.config.num_layers
@@ -251,18 +296,41 @@ def q4_1_check(args, t0: float) -> int:
         finally:
             set_int4_activations(previous[0])
             set_int4_prefill(previous[1])
-        row = {"config": name, "perplexity": ppl, "vs_full_pct": 100 * (ppl / full - 1), "exactly_full": ppl == full,
-               "note": note}
+        row = {
+            "config": name,
+            "perplexity": ppl,
+            "vs_full_pct": 100 * (ppl / full - 1),
+            "exactly_full": ppl == full,
+            "note": note,
+        }
         out["runs"].append(row)
-        print(f"[quality] {name}: {ppl:.6f} ({row['vs_full_pct']:+.4f}% vs full){' = full' if ppl == full else ''}", flush=True)
+        print(
+            f"[quality] {name}: {ppl:.6f} ({row['vs_full_pct']:+.4f}% vs full){' = full' if ppl == full else ''}",
+            flush=True,
+        )
 
     every = list(range(n))
-    run("q4_1, prefill path (fp32 dequantize + MKL)", q41, every, None,
-        "the Q4_1 weights dequantized are the full weights bit for bit")
-    run("q4_1, decode kernel, fp32 activations", q41, every, "float32",
-        "every token through the INT4 tiles: sum_g d (x.q) + m sum(x), another fp32 summation order")
-    run("q4_1, decode kernel, int8 activations", q41, every, "int8",
-        "activations quantized per 32 inputs (the served default int4_activations=int8; llama.cpp's Q8 dot products do alike)")
+    run(
+        "q4_1, prefill path (fp32 dequantize + MKL)",
+        q41,
+        every,
+        None,
+        "the Q4_1 weights dequantized are the full weights bit for bit",
+    )
+    run(
+        "q4_1, decode kernel, fp32 activations",
+        q41,
+        every,
+        "float32",
+        "every token through the INT4 tiles: sum_g d (x.q) + m sum(x), another fp32 summation order",
+    )
+    run(
+        "q4_1, decode kernel, int8 activations",
+        q41,
+        every,
+        "int8",
+        "activations quantized per 32 inputs (the served default int4_activations=int8; llama.cpp's Q8 dot products do alike)",
+    )
     bytes_q41 = sum(w.nbytes for w in q41.int4)
     bytes_full = sum(w.nbytes for w in q41.full)
     del q41
@@ -272,8 +340,13 @@ def q4_1_check(args, t0: float) -> int:
     bytes_awq = sum(w.nbytes for w in awq.int4)
     del awq
     fp16 = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=torch.float16)
-    run("full, weights stored in fp16 (fp32 compute)", fp16, [], None,
-        "weight_dtype=float16: q*d+m rounded to fp16, so not the GGUF's weights exactly")
+    run(
+        "full, weights stored in fp16 (fp32 compute)",
+        fp16,
+        [],
+        None,
+        "weight_dtype=float16: q*d+m rounded to fp16, so not the GGUF's weights exactly",
+    )
     out["layer_bytes"] = {"full_fp32": bytes_full, "q4_1": bytes_q41, "int4_awq": bytes_awq}
     path = _write_check(args, out, ids, t0, "q4_1.json")
     lines = ["| configuration (all 30 layers) | perplexity | vs full |", "|---|---|---|"]
@@ -284,32 +357,50 @@ def q4_1_check(args, t0: float) -> int:
     (path.parent / "q4_1.md").write_text(
         f"Q4_1 fragments (the GGUF's own 4-bit blocks, fp16 d and m per 32 weights, kept exactly) against full precision "
         f"(the same blocks dequantized to fp32). Perplexity on {out['held_out']['tokens']} held-out tokens (last 10% of "
-        f"{Path(args.corpus).name}, {args.windows} windows of {args.seq_len}).\n\n" + "\n".join(lines) +
-        f"\n\nLayer bytes resident (30 layers): full fp32 {bytes_full / 1e6:.1f} MB, Q4_1 {bytes_q41 / 1e6:.1f} MB, "
-        f"AWQ INT4 {bytes_awq / 1e6:.1f} MB.\n\nCommand: `{out['command']}` ({out['seconds']} s, commit {out.get('commit')}).\n")
+        f"{Path(args.corpus).name}, {args.windows} windows of {args.seq_len}).\n\n"
+        + "\n".join(lines)
+        + f"\n\nLayer bytes resident (30 layers): full fp32 {bytes_full / 1e6:.1f} MB, Q4_1 {bytes_q41 / 1e6:.1f} MB, "
+        f"AWQ INT4 {bytes_awq / 1e6:.1f} MB.\n\nCommand: `{out['command']}` ({out['seconds']} s, commit {out.get('commit')}).\n"
+    )
     print(f"[quality] {out['seconds']} s; wrote {path} and q4_1.md")
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.eval_quality", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.eval_quality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "quality"))
-    ap.add_argument("--kv-cache-check", action="store_true",
-                    help="only the perplexity with the KV cache stored in fp32 and in fp16 (kv_cache.json)")
-    ap.add_argument("--storage-check", action="store_true",
-                    help="only the full-precision perplexity with fp32- and fp16-stored weights (storage.json)")
-    ap.add_argument("--lm-head", action="store_true",
-                    help="only the INT8 embedding / LM head's cost: perplexity with it full vs INT8 (lm_head.json)")
-    ap.add_argument("--int4-activations", action="store_true",
-                    help="only the INT4 decode kernel's int8 vs fp32 activations (int4_activations.json)")
-    ap.add_argument("--q4-1", action="store_true",
-                    help="only every layer on its Q4_1 fragment (the GGUF's own blocks) vs full precision (q4_1.json)")
+    ap.add_argument(
+        "--kv-cache-check",
+        action="store_true",
+        help="only the perplexity with the KV cache stored in fp32 and in fp16 (kv_cache.json)",
+    )
+    ap.add_argument(
+        "--storage-check",
+        action="store_true",
+        help="only the full-precision perplexity with fp32- and fp16-stored weights (storage.json)",
+    )
+    ap.add_argument(
+        "--lm-head",
+        action="store_true",
+        help="only the INT8 embedding / LM head's cost: perplexity with it full vs INT8 (lm_head.json)",
+    )
+    ap.add_argument(
+        "--int4-activations",
+        action="store_true",
+        help="only the INT4 decode kernel's int8 vs fp32 activations (int4_activations.json)",
+    )
+    ap.add_argument(
+        "--q4-1",
+        action="store_true",
+        help="only every layer on its Q4_1 fragment (the GGUF's own blocks) vs full precision (q4_1.json)",
+    )
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     if args.q4_1:

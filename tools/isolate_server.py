@@ -14,6 +14,7 @@ cores (pins left behind would halve the next job's machine: a CI run inherits th
 Why: a capacity probe on a 2-core machine shared with other work measures the machine's load as much as the
 server (docs/capacity.md). With one engine thread pinned alone on a core, only memory bandwidth is shared.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,9 @@ def pin(pid: int, cpus: set[int]) -> bool:
     return changed
 
 
-def sweep(server_cpus: set[int], other_cpus: set[int], pids: Iterable[int] | None = None,
-          match: str | None = None) -> tuple[int, int]:
+def sweep(
+    server_cpus: set[int], other_cpus: set[int], pids: Iterable[int] | None = None, match: str | None = None
+) -> tuple[int, int]:
     """One pass over /proc: (server processes moved, other processes moved). `pids`: only these processes (this
     process is then left alone too); by default every process, this one on the other CPUs."""
     moved_server = moved_other = 0
@@ -98,8 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("--server-cpus", default="0")
     ap.add_argument("--other-cpus", default=None, help="default: every other CPU")
     ap.add_argument("--interval-s", type=float, default=1.0)
-    ap.add_argument("--match", default=None,
-                    help="only server processes whose command line contains this (e.g. the measuring checkout's path)")
+    ap.add_argument(
+        "--match",
+        default=None,
+        help="only server processes whose command line contains this (e.g. the measuring checkout's path)",
+    )
     ap.add_argument("--release", action="store_true", help="put every process back on all CPUs and exit")
     args = ap.parse_args(argv)
     every = set(range(os.cpu_count() or 1))

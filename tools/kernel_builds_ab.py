@@ -10,6 +10,7 @@ requests of about `context` tokens, times decode steps with the engines taking t
 step per policy with the read bandwidth. Builds alternate process by process, `pairs` times, so the host's drift
 hits each; per pair the first build's step over each other's, reported as the median pair [lowest, highest].
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,14 @@ def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, 
 
     if cpu_kernels.ops() is None:
         raise SystemExit(f"[builds] {lib} does not load (see the warning above)")
-    args = argparse.Namespace(fragment_dir=str(default_fragment_dir()), batches=[batch], weight_dtype=weight_dtype,
-                              threads=None, int4_prefill="auto", kv_cache_dtype="auto")
+    args = argparse.Namespace(
+        fragment_dir=str(default_fragment_dir()),
+        batches=[batch],
+        weight_dtype=weight_dtype,
+        threads=None,
+        int4_prefill="auto",
+        kv_cache_dtype="auto",
+    )
     engines = {p: bench_engine.make_engine(args, p) for p in policies}
     with torch.inference_mode():
         for e in engines.values():
@@ -45,30 +52,56 @@ def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, 
     return {"lib": lib, "step_s": step_s, "bandwidth_GBps": bench_engine.read_bandwidth() / 1e9}
 
 
-def run_pairs(libs: list[str], policies: list[str], context: int, batch: int, steps: int, pairs: int,
-              weight_dtype: str) -> dict:
+def run_pairs(
+    libs: list[str], policies: list[str], context: int, batch: int, steps: int, pairs: int, weight_dtype: str
+) -> dict:
     runs = []
     for pair in range(pairs):
         for lib in libs:
-            cmd = [sys.executable, "-m", "tools.kernel_builds_ab", "--worker", "--lib", lib, "--policy", *policies,
-                   "--context", str(context), "--batch", str(batch), "--steps", str(steps), "--weight-dtype", weight_dtype]
-            out = subprocess.run(cmd, capture_output=True, text=True,
-                                 env={**os.environ, "MORPHSERVE_KERNELS_LIBRARY": lib})
+            cmd = [
+                sys.executable,
+                "-m",
+                "tools.kernel_builds_ab",
+                "--worker",
+                "--lib",
+                lib,
+                "--policy",
+                *policies,
+                "--context",
+                str(context),
+                "--batch",
+                str(batch),
+                "--steps",
+                str(steps),
+                "--weight-dtype",
+                weight_dtype,
+            ]
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "MORPHSERVE_KERNELS_LIBRARY": lib}
+            )
             if out.returncode != 0:
                 raise SystemExit(f"[builds] {lib} failed:\n{out.stderr[-2000:]}")
             run = json.loads(out.stdout.strip().splitlines()[-1])
             run["pair"] = pair
             runs.append(run)
-            print(f"[builds] pair {pair + 1} {Path(lib).name:>28}: "
-                  + "  ".join(f"{p} {run['step_s'][p] * 1e3:7.2f} ms" for p in policies)
-                  + f"  read {run['bandwidth_GBps']:.1f} GB/s", flush=True)
+            print(
+                f"[builds] pair {pair + 1} {Path(lib).name:>28}: "
+                + "  ".join(f"{p} {run['step_s'][p] * 1e3:7.2f} ms" for p in policies)
+                + f"  read {run['bandwidth_GBps']:.1f} GB/s",
+                flush=True,
+            )
     ratios = {}
     for lib in libs[1:]:
         for p in policies:
-            r = sorted(a["step_s"][p] / b["step_s"][p] for a, b in zip(runs[0::len(libs)], runs[libs.index(lib)::len(libs)]))
+            r = sorted(
+                a["step_s"][p] / b["step_s"][p]
+                for a, b in zip(runs[0 :: len(libs)], runs[libs.index(lib) :: len(libs)])
+            )
             ratios[f"{Path(lib).name} {p}"] = {"median": statistics.median(r), "low": r[0], "high": r[-1]}
-            print(f"[builds] {Path(libs[0]).name} step / {Path(lib).name} step, {p}: {statistics.median(r):.2f}x "
-                  f"[{r[0]:.2f}, {r[-1]:.2f}] over {len(r)} pairs (context {context}, batch {batch})")
+            print(
+                f"[builds] {Path(libs[0]).name} step / {Path(lib).name} step, {p}: {statistics.median(r):.2f}x "
+                f"[{r[0]:.2f}, {r[-1]:.2f}] over {len(r)} pairs (context {context}, batch {batch})"
+            )
     return {"runs": runs, "first_over_other": ratios}
 
 
@@ -92,8 +125,12 @@ def main(argv=None) -> int:
     missing = [lib for lib in args.lib if not Path(lib).is_file()]
     if missing:
         ap.error(f"no such library: {', '.join(missing)}")
-    run = {"command": "python -m tools.kernel_builds_ab " + " ".join(sys.argv[1:] if argv is None else argv),
-           **code_version(), "run_utc": now_utc(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
+    run = {
+        "command": "python -m tools.kernel_builds_ab " + " ".join(sys.argv[1:] if argv is None else argv),
+        **code_version(),
+        "run_utc": now_utc(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+    }
     result = run_pairs(args.lib, args.policy, args.context, args.batch, args.steps, args.pairs, args.weight_dtype)
     if args.json:
         Path(args.json).write_text(json.dumps({**run, **result}, indent=1))

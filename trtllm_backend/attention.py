@@ -6,6 +6,7 @@ and each prefill chunk on its own (causal, with earlier context gathered from th
 The plan is built once per iteration and reused by every layer; the kernels that consume it are in
 plugins.paged_attention and know nothing of blocks or segments, only of the tensors and slots planned here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -114,8 +115,11 @@ class AttentionPlan:
             op = decode_kernel_op(pool.dtype, pool.segments[0].kv.is_cuda)
             if op is not None:
                 # small plans: located in Python, one torch call; larger ones with torch ops on the slot table
-                where = (_decode_locations(pool, dec, L) if len(dec) * L <= SLOT_LOOP_MAX
-                         else pool.locate_slots(_decode_slots(dec, L, bs, lens)))
+                where = (
+                    _decode_locations(pool, dec, L)
+                    if len(dec) * L <= SLOT_LOOP_MAX
+                    else pool.locate_slots(_decode_slots(dec, L, bs, lens))
+                )
                 self.decode_kernel = (op, [seg.kv for seg in pool.segments], *where, lens)
                 self.fused_decode = self.decode_only
             else:

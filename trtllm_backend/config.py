@@ -1,5 +1,6 @@
 """Engine configuration: one dataclass, its fields grouped by concern (the model and the machine, batching, the
 KV cache and memory, kernel numerics, morphing, SLOs, checks), checked at construction."""
+
 from __future__ import annotations
 
 import os
@@ -100,8 +101,15 @@ class EngineConfig:
     # Check the state invariants (trtllm_backend/invariants.py) after every iteration's morph step; a violation
     # is counted (EngineStats.invariant_violations) and logged with the state. Cheap enough to leave on.
     check_invariants: bool = True
+
     def __post_init__(self):
-        for name in ("block_size", "max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache", "max_queue_size"):
+        for name in (
+            "block_size",
+            "max_batch_size",
+            "max_num_tokens",
+            "max_tokens_in_paged_kv_cache",
+            "max_queue_size",
+        ):
             _positive(name, getattr(self, name))
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
@@ -113,7 +121,9 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         cutoff = self.morph_priority_cutoff
         if not is_priority(cutoff):
-            raise ValueError(f"morph_priority_cutoff must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {cutoff!r}")
+            raise ValueError(
+                f"morph_priority_cutoff must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {cutoff!r}"
+            )
         if self.memory_budget_bytes is not None:
             _positive("memory_budget_bytes", self.memory_budget_bytes)
         if self.device not in ("cpu", "cuda"):
@@ -129,7 +139,9 @@ class EngineConfig:
         if self.lm_head_activations not in ("auto", "int8", "float32"):
             raise ValueError(f"lm_head_activations must be auto, int8 or float32, got {self.lm_head_activations!r}")
         if self.lm_head_precision not in LM_HEAD_PRECISIONS:
-            raise ValueError(f"lm_head_precision must be one of {', '.join(LM_HEAD_PRECISIONS)}, got {self.lm_head_precision!r}")
+            raise ValueError(
+                f"lm_head_precision must be one of {', '.join(LM_HEAD_PRECISIONS)}, got {self.lm_head_precision!r}"
+            )
         if self.int4_activations not in ("int8", "float32"):
             raise ValueError(f"int4_activations must be int8 or float32, got {self.int4_activations!r}")
         for name in ("tpot_slo_s", "ttft_slo_s"):
@@ -138,12 +150,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a finite number >= 0 (0: no {name[:4].upper()} SLO), got {slo!r}")
         share = self.prefill_chunk_tpot_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise ValueError(f"prefill_chunk_tpot_share must be in [0, 1] (0: chunks fill max_num_tokens), got {share!r}")
+            raise ValueError(
+                f"prefill_chunk_tpot_share must be in [0, 1] (0: chunks fill max_num_tokens), got {share!r}"
+            )
         parse_forced(self.force_morph, "force_morph")  # a typo fails here, not at the iteration it names
         w, c = self.weight_torch_dtype, self.torch_dtype
         if w != c and not (w == torch.float16 and c == torch.float32):
-            raise ValueError(f"weight_dtype={self.weight_dtype} with dtype={self.dtype}: weights are stored in the "
-                             "compute dtype, or in float16 under float32 compute")
+            raise ValueError(
+                f"weight_dtype={self.weight_dtype} with dtype={self.dtype}: weights are stored in the "
+                "compute dtype, or in float16 under float32 compute"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

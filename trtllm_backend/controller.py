@@ -13,6 +13,7 @@ and the load must stay low for `up_quiet_s` seconds (measured from the last sign
 the last action, `hold`) before a restore; with the TPOT pressure on, a restore also waits for TPOT at or below
 `up_tpot_ratio * down_tpot_s`. Restores undo the most recent swap first.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,18 @@ class MorphPolicy:
     up_tpot_ratio: float = 0.7  # with down_tpot_s set, restore only while TPOT <= this fraction of it
     down_ttft_s: float = 0.0  # the head of the queue waiting longer than this, KV not short, is pressure (0: off)
 
-    TUNABLE = ("layers_per_action", "max_int4_layers", "down_kv_usage", "down_queue_wait_s", "down_persist", "up_kv_usage",
-               "up_quiet_s", "down_tpot_s", "up_tpot_ratio", "down_ttft_s")
+    TUNABLE = (
+        "layers_per_action",
+        "max_int4_layers",
+        "down_kv_usage",
+        "down_queue_wait_s",
+        "down_persist",
+        "up_kv_usage",
+        "up_quiet_s",
+        "down_tpot_s",
+        "up_tpot_ratio",
+        "down_ttft_s",
+    )
 
     @property
     def slowness_counts(self) -> bool:
@@ -99,16 +110,29 @@ class MorphPolicy:
 def _modes(num_layers: int) -> dict[str, MorphPolicy]:
     return {
         # accuracy: few layers, late and slowly; performance: many layers, early and fast.
-        "accuracy": MorphPolicy("accuracy", layers_per_action=1, max_int4_layers=num_layers // 3, down_persist=4,
-                                down_queue_wait_s=1.0, up_quiet_s=1.0),
+        "accuracy": MorphPolicy(
+            "accuracy",
+            layers_per_action=1,
+            max_int4_layers=num_layers // 3,
+            down_persist=4,
+            down_queue_wait_s=1.0,
+            up_quiet_s=1.0,
+        ),
         "balanced": MorphPolicy("balanced", layers_per_action=2, max_int4_layers=(2 * num_layers) // 3),
-        "performance": MorphPolicy("performance", layers_per_action=4, max_int4_layers=num_layers, down_persist=1,
-                                   down_queue_wait_s=0.2, up_quiet_s=4.0),
+        "performance": MorphPolicy(
+            "performance",
+            layers_per_action=4,
+            max_int4_layers=num_layers,
+            down_persist=1,
+            down_queue_wait_s=0.2,
+            up_quiet_s=4.0,
+        ),
     }
 
 
-def parse_policy(spec: str, num_layers: int, overrides: dict | None = None, tpot_slo_s: float = 0.0,
-                 ttft_slo_s: float = 0.0) -> MorphPolicy:
+def parse_policy(
+    spec: str, num_layers: int, overrides: dict | None = None, tpot_slo_s: float = 0.0, ttft_slo_s: float = 0.0
+) -> MorphPolicy:
     """One of POLICY_NAMES or `int4:N`, plus optional threshold overrides. `num_layers` counts the swappable
     units: the decoder layers, plus the tied embedding / LM head where the fragment set has its INT8 fragment
     (then "int4" and `int4:N` take the head too at its place in the swap order, and the limits count it).
@@ -188,12 +212,29 @@ class Signals:
     swap_speeds_up: bool = False  # the next unit's quantized form was measured faster at the current decode batch
 
     @classmethod
-    def of(cls, load: Load, *, blocks_per_layer: int, int4_layers: int, usage_after_shrink: float,
-           swap_speeds_up: bool = False) -> "Signals":
-        return cls(now=load.now, waiting=load.waiting, head_wait_s=load.head_wait_s, kv_usage=load.kv_usage,
-                   admission_blocked=load.admission_blocked, new_preemptions=load.new_preemptions,
-                   head_blocks_short=load.head_blocks_short, blocks_per_layer=blocks_per_layer, int4_layers=int4_layers,
-                   usage_after_shrink=usage_after_shrink, tpot_s=load.tpot_s, swap_speeds_up=swap_speeds_up)
+    def of(
+        cls,
+        load: Load,
+        *,
+        blocks_per_layer: int,
+        int4_layers: int,
+        usage_after_shrink: float,
+        swap_speeds_up: bool = False,
+    ) -> "Signals":
+        return cls(
+            now=load.now,
+            waiting=load.waiting,
+            head_wait_s=load.head_wait_s,
+            kv_usage=load.kv_usage,
+            admission_blocked=load.admission_blocked,
+            new_preemptions=load.new_preemptions,
+            head_blocks_short=load.head_blocks_short,
+            blocks_per_layer=blocks_per_layer,
+            int4_layers=int4_layers,
+            usage_after_shrink=usage_after_shrink,
+            tpot_s=load.tpot_s,
+            swap_speeds_up=swap_speeds_up,
+        )
 
 
 @dataclass(slots=True)
@@ -248,7 +289,11 @@ class Controller:
             and (not p.down_tpot_s or s.tpot_s <= p.up_tpot_ratio * p.down_tpot_s)
         ):
             self.last_action = s.now
-            return Action("up", min(p.layers_per_action, s.int4_layers), f"quiet {quiet:.1f}s, KV usage after shrink {s.usage_after_shrink:.0%}")
+            return Action(
+                "up",
+                min(p.layers_per_action, s.int4_layers),
+                f"quiet {quiet:.1f}s, KV usage after shrink {s.usage_after_shrink:.0%}",
+            )
         return None
 
     def hold(self, s: Signals) -> None:
@@ -271,8 +316,9 @@ class Controller:
     def queueing(self, s: Signals) -> bool:
         """The head of the queue waited past down_ttft_s with the KV cache not short, and a swap is faster."""
         p = self.policy
-        return bool(p.down_ttft_s and s.waiting and not self.kv_short(s) and s.head_wait_s > p.down_ttft_s
-                    and s.swap_speeds_up)
+        return bool(
+            p.down_ttft_s and s.waiting and not self.kv_short(s) and s.head_wait_s > p.down_ttft_s and s.swap_speeds_up
+        )
 
     def pressure(self, s: Signals) -> list[str]:
         """Why these signals call for swapping down (empty: no pressure). No state changes: the manager also asks
@@ -280,23 +326,29 @@ class Controller:
         p = self.policy
         why = []
         if self.kv_short(s) and s.head_wait_s >= p.down_queue_wait_s:
-            why.append(f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})")
+            why.append(
+                f"head of queue waited {s.head_wait_s:.2f}s for KV blocks ({s.waiting} waiting, KV usage {s.kv_usage:.0%})"
+            )
         if s.new_preemptions:
             why.append(f"{s.new_preemptions} preemption(s)")
         # NOTE: slowness counts only where a swap was measured to make a step faster on this machine. Where it
         # does not (INT4 no faster than full), a queue waiting on slow iterations is not helped by quantizing, and
         # reacting to it made the server swap down and up on every arrival.
         if p.down_tpot_s and s.waiting and s.tpot_s > p.down_tpot_s and s.swap_speeds_up:
-            why.append(f"TPOT {s.tpot_s * 1e3:.1f} ms above the SLO {p.down_tpot_s * 1e3:.1f} ms with {s.waiting} "
-                       f"waiting (the next swap measured faster)")
+            why.append(
+                f"TPOT {s.tpot_s * 1e3:.1f} ms above the SLO {p.down_tpot_s * 1e3:.1f} ms with {s.waiting} "
+                f"waiting (the next swap measured faster)"
+            )
         if self.queueing(s):
-            why.append(f"head of queue waited {s.head_wait_s:.2f}s (over {p.down_ttft_s:.2f}s) with the KV cache not "
-                       f"short ({s.waiting} waiting; the next swap measured faster)")
+            why.append(
+                f"head of queue waited {s.head_wait_s:.2f}s (over {p.down_ttft_s:.2f}s) with the KV cache not "
+                f"short ({s.waiting} waiting; the next swap measured faster)"
+            )
         return why
 
 
 def parse_forced(spec: str, source: str = "MORPHSERVE_FORCE_MORPH") -> dict[int, Action]:
-    """"down:2@5,up:2@40": forced actions at given engine iterations (EngineConfig.force_morph, or the
+    """ "down:2@5,up:2@40": forced actions at given engine iterations (EngineConfig.force_morph, or the
     MORPHSERVE_FORCE_MORPH test hook); `source` names the setting in errors and log reasons."""
     out: dict[int, Action] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):

@@ -3,6 +3,7 @@
 Callers (the Triton glue, the CLI, benchmarks) add requests from any thread; the engine thread owns
 all mutable state (scheduler, KV pool, layer slots) and hands results back through callbacks.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -50,7 +51,9 @@ class LLMEngine:
         self.config = config
         pin_mmap_threshold()
         torch.set_num_threads(config.threads())
-        self.numerics = KernelNumerics(config.int4_activations, config.int4_prefill, config.lm_head_activations).resolved()
+        self.numerics = KernelNumerics(
+            config.int4_activations, config.int4_prefill, config.lm_head_activations
+        ).resolved()
         self.numerics.put_in_force()
         self.manifest = Manifest(config.fragment_dir)
         mc = self.manifest.config
@@ -62,11 +65,13 @@ class LLMEngine:
         self._eos_ids = sorted(self.tokenizer.eos_token_ids)
         self._eos_index = torch.tensor(self._eos_ids, dtype=torch.long)
         self.model = LlamaModel(self.store, self.max_model_len)
-        self.pool = KVPool(mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages,
-                           config.enable_prefix_caching)
+        self.pool = KVPool(
+            mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages, config.enable_prefix_caching
+        )
         if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
-            log.warning("weights and KV stay on 4 KiB pages: %s (decode steps are slower so: "
-                        "trtllm_backend/huge_pages.py)", why)
+            log.warning(
+                "weights and KV stay on 4 KiB pages: %s (decode steps are slower so: trtllm_backend/huge_pages.py)", why
+            )
         self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
@@ -94,14 +99,26 @@ class LLMEngine:
         units = mc.num_layers + (1 if head == HEAD_DYNAMIC else 0)
         policy = parse_policy(config.morph_policy, units, config.morph_overrides, config.tpot_slo_s, config.ttft_slo_s)
         # NOTE: the manager allocates the KV pool: whatever the budget leaves once the policy's weights are bound.
-        self.morph = MorphManager(policy, manifest=self.manifest, store=self.store, slots=self.model.slots, pool=self.pool,
-                                  shared_nbytes=self.model.shared_nbytes, counters=self.counters, head=self.model.head,
-                                  head_mode=head, base_kv_blocks=config.base_kv_blocks,
-                                  budget_bytes=config.memory_budget_bytes, forced=config.forced_morph_actions())
+        self.morph = MorphManager(
+            policy,
+            manifest=self.manifest,
+            store=self.store,
+            slots=self.model.slots,
+            pool=self.pool,
+            shared_nbytes=self.model.shared_nbytes,
+            counters=self.counters,
+            head=self.model.head,
+            head_mode=head,
+            base_kv_blocks=config.base_kv_blocks,
+            budget_bytes=config.memory_budget_bytes,
+            forced=config.forced_morph_actions(),
+        )
         self._publish_stats()
 
     # ---- public API (any thread) -----------------------------------------------------------------
-    def add_request(self, prompt: str, params: SamplingParams, on_output: OnOutput, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str, params: SamplingParams, on_output: OnOutput, request_id: str | None = None
+    ) -> str:
         if not self._accepting:
             raise QueueFull("engine is shutting down")
         prompt_ids = self._validate(prompt, params)
@@ -119,7 +136,9 @@ class LLMEngine:
     def _grammars(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(self.tokenizer.to_json(), self.manifest.config.vocab_size, self._eos_ids)
+                self._compiler = GrammarCompiler(
+                    self.tokenizer.to_json(), self.manifest.config.vocab_size, self._eos_ids
+                )
             return self._compiler
 
     def abort(self, request_id: str) -> bool:
@@ -218,7 +237,8 @@ class LLMEngine:
             raise InvalidRequest("prompt", f"{len(ids)} tokens, the model context is {self.max_model_len}")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(
-                "max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceeds the context of {self.max_model_len}"
+                "max_tokens",
+                f"{params.max_tokens} + {len(ids)} prompt tokens exceeds the context of {self.max_model_len}",
             )
         capacity = self.pool.segments[0].num_blocks * self.config.block_size  # the pool never shrinks below it
         if len(ids) > capacity:
@@ -291,7 +311,9 @@ class LLMEngine:
             batch=len(s.running),
         )
         m.on_iteration(load, self.counters.iterations, [r.block_table for r in s.running])
-        p.cache.set_weights(tuple(u.unit for u in m.swapped + m.stuck))  # KV is reused only under the weights that made it
+        p.cache.set_weights(
+            tuple(u.unit for u in m.swapped + m.stuck)
+        )  # KV is reused only under the weights that made it
         if self.config.check_invariants:
             self._note_violations(self.check_invariants())
 
@@ -305,9 +327,12 @@ class LLMEngine:
             found = binding_violations(slots, self.manifest, swapped)
             self._bindings_checked = (key, layer_bytes(slots), found)
         _, layers, found = self._bindings_checked
-        return (memory_violations(m.account, self.pool, layers)
-                + self._blocks_checker.violations(self.pool, [r.block_table for r in self.scheduler.running]) + found
-                + head_violations(self.model, self.manifest, m.account, m.head_int8))
+        return (
+            memory_violations(m.account, self.pool, layers)
+            + self._blocks_checker.violations(self.pool, [r.block_table for r in self.scheduler.running])
+            + found
+            + head_violations(self.model, self.manifest, m.account, m.head_int8)
+        )
 
     def _note_violations(self, found: list[str]) -> None:
         self.counters.invariant_violations += len(found)
@@ -352,7 +377,7 @@ class LLMEngine:
         logit_rows = None if all_rows == list(range(len(ids))) else torch.tensor(all_rows, dtype=torch.long)
         logits = self.model.forward(torch.tensor(ids), torch.tensor(pos), plan, logit_rows)
         if scored:
-            self._score_prompt_tokens(logits[len(rows):], scored)
+            self._score_prompt_tokens(logits[len(rows) :], scored)
             logits = logits[: len(rows)]
         for req, n in sched.scheduled:
             req.num_computed += n
@@ -367,11 +392,19 @@ class LLMEngine:
             if self.on_logits is not None:
                 for r, req in enumerate(samplers):
                     self.on_logits(req.request_id, logits[r])
-            tokens = sample(logits, [r.params for r in samplers], [r.generator for r in samplers],
-                            [r.output_ids if r.params.penalized else [] for r in samplers])
+            tokens = sample(
+                logits,
+                [r.params for r in samplers],
+                [r.generator for r in samplers],
+                [r.output_ids if r.params.penalized else [] for r in samplers],
+            )
             int4 = self.num_quantized_layers()
             now = time.monotonic()
-            picked = dict(zip(wants, pick(logp, [tokens[r] for r in wants], [samplers[r].params.logprobs for r in wants]))) if wants else {}
+            picked = (
+                dict(zip(wants, pick(logp, [tokens[r] for r in wants], [samplers[r].params.logprobs for r in wants])))
+                if wants
+                else {}
+            )
             for r, (req, tok) in enumerate(zip(samplers, tokens)):
                 req.token_ids.append(tok)
                 self.counters.generation_tokens += 1
@@ -395,8 +428,11 @@ class LLMEngine:
     @staticmethod
     def _score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[int, Request, int]]) -> None:
         """Row i of `logits` is position p of its request: the logprob of prompt token p + 1."""
-        entries = pick(log_probs(logits), [req.prompt_ids[p + 1] for _, req, p in scored],
-                       [req.params.prompt_logprobs for _, req, _ in scored])
+        entries = pick(
+            log_probs(logits),
+            [req.prompt_ids[p + 1] for _, req, p in scored],
+            [req.params.prompt_logprobs for _, req, _ in scored],
+        )
         for (_, req, _), entry in zip(scored, entries):
             req.prompt_logprobs.append(entry)
 

@@ -1,4 +1,5 @@
 """Loading fragments from the fragment set into runnable layer weights (off the hot path)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,17 @@ from .manifest import Manifest
 from .precision import Precision
 
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
-           "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
 
 
 def read_safetensors(path: Path, alloc: Callable[[int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -54,8 +64,9 @@ class FragmentStore:
     With `huge_pages` (EngineConfig.huge_pages) the weights it hands out sit on 2 MiB pages: each layer in one
     buffer, the embedding / LM head table in its own (trtllm_backend.huge_pages says why)."""
 
-    def __init__(self, manifest: Manifest, dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
-                 huge_pages: bool = True):
+    def __init__(
+        self, manifest: Manifest, dtype: torch.dtype, weight_dtype: torch.dtype | None = None, huge_pages: bool = True
+    ):
         self.manifest = manifest
         self.dtype = dtype  # activations and norms
         self.weight_dtype = weight_dtype or dtype  # full-precision matmul weights, embedding and LM head
@@ -100,4 +111,3 @@ class FragmentStore:
             layer = LayerWeights(**{k: parts[k] for k in LayerWeights.__slots__})
         del tensors  # the file's bytes go before the layer is copied into one buffer
         return layer.pack_on_huge_pages() if self.huge_pages else layer
-

@@ -1,4 +1,5 @@
 """Stream a completion to the terminal: python -m trtllm_backend.generate "prompt" [options]."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     prompt = engine.tokenizer.chat_prompt(args.prompt) if args.chat else args.prompt
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            seed=args.seed, stop=args.stop, min_tokens=args.min_tokens,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=args.stop,
+            min_tokens=args.min_tokens,
         )
         t0 = time.monotonic()
         sys.stdout.write(args.prompt if not args.chat else "")
@@ -51,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     n = last.num_output_tokens
     ttft = t.first_token - t.arrival
     rate = (n - 1) / (t.finished - t.first_token) if n > 1 and t.finished > t.first_token else float("nan")
-    print(f"\n[{n} tokens, finish={last.finish_reason}, TTFT {ttft * 1000:.0f} ms, decode {rate:.1f} tok/s, total {time.monotonic() - t0:.2f} s]", file=sys.stderr)
+    print(
+        f"\n[{n} tokens, finish={last.finish_reason}, TTFT {ttft * 1000:.0f} ms, decode {rate:.1f} tok/s, total {time.monotonic() - t0:.2f} s]",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -4,6 +4,7 @@ its INT8 fragment (plugins/int8_linear.py), rebound between iterations by the mo
 The table is read twice per step: looked up for the new tokens' embeddings and multiplied whole for the logits
 of the rows that sample. In INT8 the lookup dequantizes the rows it reads, so the full table can be dropped.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,10 @@ from .precision import HEAD_FULL, Precision
 def head_mode(setting: str, manifest) -> str:
     """lm_head_precision checked against the fragment set: int8 and dynamic need its tied INT8 table."""
     if setting != HEAD_FULL and not manifest.head_swappable():
-        raise FragmentError(f"lm_head_precision={setting}: the fragment set in {manifest.dir} has no INT8 table for a tied "
-                            "embedding / LM head (python -m engines.build_fragments --lm-head-int8 builds it)")
+        raise FragmentError(
+            f"lm_head_precision={setting}: the fragment set in {manifest.dir} has no INT8 table for a tied "
+            "embedding / LM head (python -m engines.build_fragments --lm-head-int8 builds it)"
+        )
     return setting
 
 

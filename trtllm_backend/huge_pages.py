@@ -14,6 +14,7 @@ holds, as the memory account counts them. The mapping goes when the last tensor 
 2.2 MB of small tensors, none of which would fill a page alone. Where the kernel does not offer THP (another
 OS, `never` in sysfs) madvise fails and the buffer is an ordinary one.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -32,7 +33,7 @@ def thp_mode() -> str:
         text = THP_SETTING.read_text()
     except OSError:
         return "unavailable"
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
 
 
 def unavailable_reason() -> str | None:
@@ -42,8 +43,10 @@ def unavailable_reason() -> str | None:
         return None
     if mode == "unavailable":
         return f"this kernel has no transparent huge pages ({THP_SETTING} is missing)"
-    return (f"transparent huge pages are off ({THP_SETTING}: {mode}); `echo madvise > {THP_SETTING}` on the "
-            "host turns them on")
+    return (
+        f"transparent huge pages are off ({THP_SETTING}: {mode}); `echo madvise > {THP_SETTING}` on the "
+        "host turns them on"
+    )
 
 
 def empty(nbytes: int) -> torch.Tensor:
@@ -59,7 +62,7 @@ def empty(nbytes: int) -> torch.Tensor:
         mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     except OSError:  # a kernel built without THP: ordinary pages
         pass
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 def empty_tensor(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +87,7 @@ def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             out.append(t)
             continue
         n = t.numel() * t.element_size()
-        out.append(buf[at:at + n].view(t.dtype).view(t.shape).copy_(t))
+        out.append(buf[at : at + n].view(t.dtype).view(t.shape).copy_(t))
         at += _padded(t)
     return out
 

@@ -12,6 +12,7 @@ scan, block_violations, for the report whenever anything may be wrong.
 
 Each check returns one line per broken invariant, with the state that shows it (empty when all hold).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -31,11 +32,15 @@ def memory_violations(account: MemoryAccount, pool: KVPool, layers: int) -> list
     """layers: the bound weights' bytes (layer_bytes; the caller may keep it while no binding changes)."""
     out = []
     if account.used > account.budget:
-        out.append(f"memory: {account.used} bytes accounted exceed the budget of {account.budget} "
-                   f"(layers {account.layers}, KV {account.kv}, staged {account.staged}, shared {account.shared})")
+        out.append(
+            f"memory: {account.used} bytes accounted exceed the budget of {account.budget} "
+            f"(layers {account.layers}, KV {account.kv}, staged {account.staged}, shared {account.shared})"
+        )
     if account.layers != layers or account.kv != pool.nbytes:
-        out.append(f"memory: the account says layers {account.layers} / KV {account.kv} bytes, the tensors hold "
-                   f"{layers} / {pool.nbytes}")
+        out.append(
+            f"memory: the account says layers {account.layers} / KV {account.kv} bytes, the tensors hold "
+            f"{layers} / {pool.nbytes}"
+        )
     return out
 
 
@@ -51,8 +56,10 @@ def block_violations(pool: KVPool, block_tables: list[list[int]]) -> list[str]:
     refs = cache.refs
     wrong = sorted(b for b in counts.keys() | refs.keys() if counts.get(b, 0) != refs.get(b, 0))
     if wrong:
-        out.append("blocks: reference counts differ from the block tables: "
-                   + ", ".join(f"block {b} in {counts.get(b, 0)} tables, {refs.get(b, 0)} references" for b in wrong[:8]))
+        out.append(
+            "blocks: reference counts differ from the block tables: "
+            + ", ".join(f"block {b} in {counts.get(b, 0)} tables, {refs.get(b, 0)} references" for b in wrong[:8])
+        )
     held = set(counts)
     free = [b for seg in pool.segments for b in seg.free]
     if len(free) != len(set(free)):
@@ -71,11 +78,15 @@ def block_violations(pool: KVPool, block_tables: list[list[int]]) -> list[str]:
         out.append(f"blocks: evictable blocks {unnamed[:8]} are not cached under any name")
     bad_names = sorted(b for b, name in cache.name_of.items() if cache.block_of.get(name) != b)
     if bad_names or len(cache.block_of) != len(cache.name_of):
-        out.append(f"blocks: the prefix cache's names do not map both ways ({len(cache.block_of)} names, "
-                   f"{len(cache.name_of)} named blocks, {bad_names[:8]} mismatched)")
+        out.append(
+            f"blocks: the prefix cache's names do not map both ways ({len(cache.block_of)} names, "
+            f"{len(cache.name_of)} named blocks, {bad_names[:8]} mismatched)"
+        )
     if len(held) + len(set(free)) + len(idle) != pool.num_blocks:
-        out.append(f"blocks: {len(held)} held + {len(set(free))} free + {len(idle)} evictable != {pool.num_blocks} in "
-                   f"the pool (segments {[(s.base, s.num_blocks, len(s.free)) for s in pool.segments]})")
+        out.append(
+            f"blocks: {len(held)} held + {len(set(free))} free + {len(idle)} evictable != {pool.num_blocks} in "
+            f"the pool (segments {[(s.base, s.num_blocks, len(s.free)) for s in pool.segments]})"
+        )
     return out
 
 
@@ -105,8 +116,12 @@ class BlockChecker:
             if n > k and new[:k] == old:  # blocks appended (freed)
                 added = new[k:]
                 fresh = set(added)
-                if (len(fresh) == len(added) and fresh.isdisjoint(blocks)
-                        and seg.base <= min(added) and max(added) < seg.base + seg.num_blocks):
+                if (
+                    len(fresh) == len(added)
+                    and fresh.isdisjoint(blocks)
+                    and seg.base <= min(added)
+                    and max(added) < seg.base + seg.num_blocks
+                ):
                     blocks.update(fresh)
                     self._free[id(seg)] = (seg, new[:], blocks)
                     return blocks
@@ -153,8 +168,10 @@ def binding_violations(slots: list[LayerSlot], manifest: Manifest, swapped_layer
             continue
         limit = manifest.fragment(slot.index, Precision(slot.precision))["bytes"]
         if slot.weights.nbytes > limit:
-            out.append(f"binding: layer {slot.index} ({slot.precision}) holds {slot.weights.nbytes} bytes, its "
-                       f"fragment {limit}")
+            out.append(
+                f"binding: layer {slot.index} ({slot.precision}) holds {slot.weights.nbytes} bytes, its "
+                f"fragment {limit}"
+            )
     int4 = sorted(s.index for s in slots if s.precision == Precision.INT4)
     if int4 != sorted(swapped_layers):
         out.append(f"binding: INT4 layers {int4} but the morph manager swapped {sorted(swapped_layers)}")
@@ -168,10 +185,14 @@ def head_violations(model, manifest: Manifest, account: MemoryAccount, swapped: 
     if head.precision not in manifest.head_precisions():
         out.append(f"binding: lm_head is bound to {head.precision}, the manifest has {manifest.head_precisions()}")
     elif head.precision != Precision.FULL and head.table.nbytes > manifest.head_fragment(head.precision)["bytes"]:
-        out.append(f"binding: lm_head ({head.precision}) holds {head.table.nbytes} bytes, its fragment "
-                   f"{manifest.head_fragment(head.precision)['bytes']}")
+        out.append(
+            f"binding: lm_head ({head.precision}) holds {head.table.nbytes} bytes, its fragment "
+            f"{manifest.head_fragment(head.precision)['bytes']}"
+        )
     if (head.precision == Precision.INT8) != swapped:
-        out.append(f"binding: lm_head is {head.precision} but the morph manager {'swapped' if swapped else 'did not swap'} it")
+        out.append(
+            f"binding: lm_head is {head.precision} but the morph manager {'swapped' if swapped else 'did not swap'} it"
+        )
     if account.shared != model.shared_nbytes:
         out.append(f"memory: the account says shared {account.shared} bytes, the tensors hold {model.shared_nbytes}")
     return out

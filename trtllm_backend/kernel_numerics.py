@@ -6,6 +6,7 @@ them in force before every iteration (a read of three switches when they already
 the process, or a tool flipping a switch around a live engine, cannot change what this engine computes; a tool
 that wants other numerics in a live engine asks it (`LLMEngine.set_kernel_numerics`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,11 +23,15 @@ class KernelNumerics:
     def resolved(self) -> "KernelNumerics":
         """`auto` replaced by what it means on this CPU with these activations."""
         if self.int4_activations not in quant_matmul.INT4_ACTIVATIONS:
-            raise ValueError(f"int4_activations must be one of {sorted(quant_matmul.INT4_ACTIVATIONS)}, "
-                             f"got {self.int4_activations!r}")
-        return KernelNumerics(self.int4_activations,
-                              quant_matmul.resolve_int4_prefill(self.int4_prefill, self.int4_activations),
-                              int8_linear.resolve_head_activations(self.lm_head_activations))
+            raise ValueError(
+                f"int4_activations must be one of {sorted(quant_matmul.INT4_ACTIVATIONS)}, "
+                f"got {self.int4_activations!r}"
+            )
+        return KernelNumerics(
+            self.int4_activations,
+            quant_matmul.resolve_int4_prefill(self.int4_prefill, self.int4_activations),
+            int8_linear.resolve_head_activations(self.lm_head_activations),
+        )
 
     @staticmethod
     def in_force() -> "KernelNumerics | None":

@@ -9,6 +9,7 @@ Every block is in exactly one state: free (on its segment's free list), held (re
 block tables may share a cached prefix), or cached and unreferenced (`cache.evictable`: resident, reusable, and
 given up least recently used first when blocks are needed; trtllm_backend/prefix_cache.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,8 +44,15 @@ SlotPiece = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor]
 class KVPool:
     """Owns the segments and hands out blocks. Not thread-safe: used by the engine thread only."""
 
-    def __init__(self, config: ModelConfig, block_size: int, dtype: torch.dtype, device: str = "cpu",
-                 huge_pages: bool = True, prefix_caching: bool = True):
+    def __init__(
+        self,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        huge_pages: bool = True,
+        prefix_caching: bool = True,
+    ):
         self.config = config
         self.cache = PrefixCache(block_size, prefix_caching)
         self.block_size = block_size

@@ -4,6 +4,7 @@ A slot runs whatever fragment it is bound to; swapping precision is rebinding th
 iterations. The layer math (RMSNorm, RoPE, GQA attention, SwiGLU) is the same for every precision: only
 the linear operators differ (dense here, INT4/INT8 in plugins.quant_matmul).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,7 +43,6 @@ class DenseLinear:
         (self.weight,) = tensors
 
 
-
 @dataclass(slots=True)
 class LayerWeights:
     input_layernorm: torch.Tensor
@@ -63,21 +63,27 @@ class LayerWeights:
         pointers)."""
         ops = (self.qkv, self.o, self.gate_up, self.down)
         held = [op.resident_tensors() for op in ops]
-        moved = iter(huge_pages.pack([self.input_layernorm, self.post_attention_layernorm, *(t for h in held for t in h)]))
+        moved = iter(
+            huge_pages.pack([self.input_layernorm, self.post_attention_layernorm, *(t for h in held for t in h)])
+        )
         self.input_layernorm, self.post_attention_layernorm = next(moved), next(moved)
         for op, h in zip(ops, held):
             op.adopt([next(moved) for _ in h])
         return self
 
 
-def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> LayerWeights:
+def dense_layer(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, weight_dtype: torch.dtype | None = None
+) -> LayerWeights:
     """Full-precision fragment -> weights with q|k|v and gate|up fused (one matmul each); norms in `dtype`,
     matmul weights in `weight_dtype` (default: `dtype`)."""
     t = {k: v.to(dtype if v.dim() == 1 else weight_dtype or dtype) for k, v in tensors.items()}
     return LayerWeights(
         input_layernorm=t["input_layernorm.weight"],
         post_attention_layernorm=t["post_attention_layernorm.weight"],
-        qkv=DenseLinear(torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"], t["self_attn.v_proj.weight"]])),
+        qkv=DenseLinear(
+            torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"], t["self_attn.v_proj.weight"]])
+        ),
         o=DenseLinear(t["self_attn.o_proj.weight"]),
         gate_up=DenseLinear(torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])),
         down=DenseLinear(t["mlp.down_proj.weight"]),
@@ -87,8 +93,14 @@ def dense_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, weight_dty
 class LayerSlot:
     """One decoder layer position; `weights` is the fragment it is bound to now."""
 
-    def __init__(self, index: int, config: ModelConfig, weights: LayerWeights, precision: str = Precision.FULL,
-                 runs: fused.RunCache | None = None):
+    def __init__(
+        self,
+        index: int,
+        config: ModelConfig,
+        weights: LayerWeights,
+        precision: str = Precision.FULL,
+        runs: fused.RunCache | None = None,
+    ):
         self.index = index
         self.config = config
         self.weights = weights
@@ -108,7 +120,9 @@ class LayerSlot:
         """This layer's arguments for plugins.decode_layer (None: it runs op by op), kept until a rebind."""
         if self._fused is None:
             w = self.weights
-            self._fused = (fused.layer_args(w.input_layernorm, w.post_attention_layernorm, (w.qkv, w.o, w.gate_up, w.down)),)
+            self._fused = (
+                fused.layer_args(w.input_layernorm, w.post_attention_layernorm, (w.qkv, w.o, w.gate_up, w.down)),
+            )
         return self._fused[0]
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -136,8 +150,14 @@ class LayerSlot:
         return paged_attention(q, k.to(plan.kv_dtype), v.to(plan.kv_dtype), self.index, plan).reshape(T, q_dim)
 
 
-def run_layers(slots: list[LayerSlot], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-               runs: fused.RunCache | None = None) -> torch.Tensor:
+def run_layers(
+    slots: list[LayerSlot],
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    plan: AttentionPlan,
+    runs: fused.RunCache | None = None,
+) -> torch.Tensor:
     """h through every slot in turn. In a pure decode step that the fused op takes, each run of consecutive
     fusable layers is one C++ call (all of them, unless some layer is INT8); the others run op by op. `runs`:
     the RunCache the slots were made with (their arguments flattened once per binding)."""

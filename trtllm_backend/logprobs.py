@@ -5,6 +5,7 @@ NOTE: these are the model's own distribution: log_softmax of the raw logits over
 grammar masks). That is what evaluation harnesses score with, and what vLLM returns by default; a sampled
 token may therefore have a low logprob where the sampler's transforms made it likely.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

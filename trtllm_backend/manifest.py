@@ -1,4 +1,5 @@
 """The fragment set on disk: manifest.json, its model config, and verified file access."""
+
 from __future__ import annotations
 
 import hashlib
@@ -67,7 +68,9 @@ class Manifest:
         except json.JSONDecodeError as e:
             raise FragmentError(f"{path}: not valid JSON ({e})") from None
         if self.data.get("format_version") != FORMAT_VERSION:
-            raise FragmentError(f"{path}: format_version {self.data.get('format_version')!r}, expected {FORMAT_VERSION}")
+            raise FragmentError(
+                f"{path}: format_version {self.data.get('format_version')!r}, expected {FORMAT_VERSION}"
+            )
         self.config = ModelConfig(**self.data["config"])
 
     @property

@@ -8,24 +8,37 @@ full-precision one is still bound (without it the first swap could not start und
 The arithmetic lives here, apart from what is counted (morph.py counts the tensors): `resolve_budget` sizes the
 budget at load, `MemoryAccount.update` records what is resident and refuses an account over the budget.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-def resolve_budget(full_model: int, *, reserve: int, bytes_per_block: int, base_kv_blocks: int,
-                   given: int | None = None, policy_name: str = "") -> int:
+def resolve_budget(
+    full_model: int,
+    *,
+    reserve: int,
+    bytes_per_block: int,
+    base_kv_blocks: int,
+    given: int | None = None,
+    policy_name: str = "",
+) -> int:
     """The memory budget: `given` (memory_budget_bytes), or by default the full-precision model (`full_model`
     bytes) plus `base_kv_blocks` KV blocks. Refused (ValueError naming the parameter) when it cannot hold that
     model, the staging `reserve` and one KV block."""
     least = full_model + reserve + bytes_per_block
     budget = given or full_model + base_kv_blocks * bytes_per_block
     if budget < least:
-        what = (f"memory_budget_bytes: {budget}" if given else
-                f"max_tokens_in_paged_kv_cache: {base_kv_blocks} blocks ({budget} bytes with the model)")
+        what = (
+            f"memory_budget_bytes: {budget}"
+            if given
+            else f"max_tokens_in_paged_kv_cache: {base_kv_blocks} blocks ({budget} bytes with the model)"
+        )
         staging = f" plus the {reserve}-byte staging reserve of policy {policy_name}" if reserve else ""
-        raise ValueError(f"{what} is below the full-precision model ({full_model} bytes){staging} plus one KV block "
-                         f"({bytes_per_block} bytes): {least} bytes at least")
+        raise ValueError(
+            f"{what} is below the full-precision model ({full_model} bytes){staging} plus one KV block "
+            f"({bytes_per_block} bytes): {least} bytes at least"
+        )
     return budget
 
 

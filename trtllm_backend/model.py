@@ -1,4 +1,5 @@
 """The Llama model: shared weights (embedding, final norm, LM head) around a list of layer slots."""
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,13 @@ class LlamaModel:
         self.norm = shared["model.norm.weight"]
         # The embedding and the LM head: one table when tied (a swappable unit, trtllm_backend/head.py).
         untied = shared.get("lm_head.weight")
-        self.head = HeadSlot(DenseTable(shared["model.embed_tokens.weight"]), None if untied is None else DenseTable(untied))
+        self.head = HeadSlot(
+            DenseTable(shared["model.embed_tokens.weight"]), None if untied is None else DenseTable(untied)
+        )
         self._runs = RunCache()
-        self.slots = [LayerSlot(i, self.config, store.load_layer(i), runs=self._runs) for i in range(self.config.num_layers)]
+        self.slots = [
+            LayerSlot(i, self.config, store.load_layer(i), runs=self._runs) for i in range(self.config.num_layers)
+        ]
         self.cos, self.sin = self._rope_tables(max_positions)
 
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +56,9 @@ class LlamaModel:
         return self.shared_nbytes + sum(s.weights.nbytes for s in self.slots)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
-                logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, logit_rows: torch.Tensor | None
+    ) -> torch.Tensor:
         """Flattened tokens of all scheduled sequences -> fp32 logits of the rows that sample (`logit_rows`; None:
         every row, as in a pure decode step)."""
         h = self.head.embed(input_ids).to(self.norm.dtype)  # fp16-stored or INT8 table -> compute dtype

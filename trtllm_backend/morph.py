@@ -25,6 +25,7 @@ blocks elsewhere (over as many iterations as it takes), release it -> stage the 
 bytes -> rebind. If the full fragment still does not fit, the newest other added segment is drained and
 released the same way, one at a time; with none left the restore is given up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -136,14 +137,19 @@ class MorphManager:
         # The layers' unswapped form: full, or every layer's Q4_1 fragment (policy q4_1).
         self.base = Precision(self.policy.base_precision)
         if self.base != Precision.FULL and not all(self.base in m.precisions(i) for i in range(m.num_layers)):
-            raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no {self.base} fragment for every "
-                                f"layer (build them with python -m engines.build_fragments --q4-1)")
-        self.units: dict[Unit, SwapUnit] = {slot.index: LayerUnit(slot, self.store, m, up=self.base) for slot in self.slots}
+            raise FragmentError(
+                f"morph_policy {self.policy.name}: the fragment set has no {self.base} fragment for every "
+                f"layer (build them with python -m engines.build_fragments --q4-1)"
+            )
+        self.units: dict[Unit, SwapUnit] = {
+            slot.index: LayerUnit(slot, self.store, m, up=self.base) for slot in self.slots
+        }
         if self.head_unit:
             self.units[HEAD_UNIT] = HeadUnit(self.head, self.store, m)
         # Bytes staged for each unit's swap down (manifest upper bounds); the reserve holds the largest.
-        self.down_bytes: dict[Unit, int] = ({k: u.down_bytes() for k, u in self.units.items()}
-                                            if self.quantizable else {})
+        self.down_bytes: dict[Unit, int] = (
+            {k: u.down_bytes() for k, u in self.units.items()} if self.quantizable else {}
+        )
         # NOTE: only a policy that swaps while serving (or forced actions: benchmarks, tests) stages anything; a
         # static one spends the reserve on KV.
         swaps_live = (self.policy.dynamic or bool(self.forced)) and self.quantizable
@@ -156,9 +162,14 @@ class MorphManager:
         self.blocks_per_layer = blocks_freed(self.full_bytes[0], self.down_bytes.get(0, 0), self.pool.bytes_per_block)
         self.account = MemoryAccount(budget=0, reserve=self.reserve, shared=self.shared_nbytes)
         self._refresh()
-        self.account.budget = resolve_budget(self.account.used, reserve=self.reserve,
-                                             bytes_per_block=self.pool.bytes_per_block, base_kv_blocks=self.base_kv_blocks,
-                                             given=self.budget_bytes, policy_name=self.policy.name)
+        self.account.budget = resolve_budget(
+            self.account.used,
+            reserve=self.reserve,
+            bytes_per_block=self.pool.bytes_per_block,
+            base_kv_blocks=self.base_kv_blocks,
+            given=self.budget_bytes,
+            policy_name=self.policy.name,
+        )
         if self.executor is None:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
@@ -168,7 +179,9 @@ class MorphManager:
             self._calibrate()
         if (self.policy.dynamic or self.policy.static_int4_layers) and not self.quantizable:
             if self.policy.static_int4_layers:
-                raise FragmentError(f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)")
+                raise FragmentError(
+                    f"morph_policy {self.policy.name}: the fragment set has no INT4 fragments (build them with engines.quantize_awq)"
+                )
             log.warning("no INT4 fragments in %s: morphing is off, serving at full precision", m.dir)
         self._bind_at_load()
         if self._grow_kv(resize=False) is None:  # never expected: resolve_budget checked the room for a block
@@ -188,7 +201,9 @@ class MorphManager:
     @property
     def head_int8(self) -> bool:
         """The head should be bound to its INT8 table: configured so, or swapped down as a unit."""
-        return self.head_mode == HEAD_INT8 or any(self.units[s.unit].kind == HeadUnit.kind for s in self.swapped + self.stuck)
+        return self.head_mode == HEAD_INT8 or any(
+            self.units[s.unit].kind == HeadUnit.kind for s in self.swapped + self.stuck
+        )
 
     @property
     def swapped_layers(self) -> list[int]:
@@ -204,8 +219,13 @@ class MorphManager:
 
     def busy(self, iteration: int) -> bool:
         """An action is in flight, queued, or forced at or before `iteration`."""
-        return bool(self.job or self.draining or self.pending_down or self.pending_up
-                    or (self.quantizable and self.controller.forced_due(iteration)))
+        return bool(
+            self.job
+            or self.draining
+            or self.pending_down
+            or self.pending_up
+            or (self.quantizable and self.controller.forced_due(iteration))
+        )
 
     def wait(self, timeout_s: float) -> None:
         """Block until the fragment being prepared in the background (if any) is ready, or the timeout."""
@@ -233,8 +253,10 @@ class MorphManager:
         firsts: dict[str, SwapUnit] = {}  # the first unit of each kind in the swap order
         for key in self.order:
             firsts.setdefault(self.units[key].kind, self.units[key])
-        forms = {kind: (unit, unit.bound, unit.load(down=True))
-                 for kind, unit in sorted(firsts.items(), key=lambda ku: ku[0] != "layer")}  # the layer first
+        forms = {
+            kind: (unit, unit.bound, unit.load(down=True))
+            for kind, unit in sorted(firsts.items(), key=lambda ku: ku[0] != "layer")
+        }  # the layer first
         flush = torch.empty(CALIBRATION_FLUSH_BYTES // 4)
         c = self.manifest.config
 
@@ -254,8 +276,11 @@ class MorphManager:
                         best[name] = min(times)
                     self.speedup[kind][batch] = best["full"] / best["quant"]
         del forms, flush
-        log.info("morph: decode speed full/quantized by batch, measured at load in %.0f ms: %s", (time.monotonic() - t0) * 1e3,
-                 {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()})
+        log.info(
+            "morph: decode speed full/quantized by batch, measured at load in %.0f ms: %s",
+            (time.monotonic() - t0) * 1e3,
+            {k: {b: round(r, 2) for b, r in v.items()} for k, v in self.speedup.items()},
+        )
 
     # ---- accounting -----------------------------------------------------------------------------
     def _bind_at_load(self) -> None:
@@ -269,7 +294,7 @@ class MorphManager:
             for slot in self.slots:
                 layer = self.units[slot.index]
                 layer.bind(layer.load(down=False), down=False)
-        for unit in self._candidates()[:self.policy.static_int4_layers]:
+        for unit in self._candidates()[: self.policy.static_int4_layers]:
             self.units[unit].bind(self.units[unit].load(down=True), down=True)
             self.swapped.append(_Swapped(unit, None))
             self.counters.swaps_down += 1
@@ -278,8 +303,12 @@ class MorphManager:
     def _refresh(self) -> None:
         """Count what is resident now into the account (memory.MemoryAccount.update checks it against the budget)."""
         head = self.head.table.nbytes if self.head is not None and self.head.swappable else 0
-        self.account.update(shared=self._fixed_shared + head, layers=sum(s.weights.nbytes for s in self.slots),
-                            kv=self.pool.nbytes, staged=self.job.staged_bytes if self.job else 0)
+        self.account.update(
+            shared=self._fixed_shared + head,
+            layers=sum(s.weights.nbytes for s in self.slots),
+            kv=self.pool.nbytes,
+            staged=self.job.staged_bytes if self.job else 0,
+        )
 
     def _grow_kv(self, resize: bool = True) -> KVSegment | None:
         """What the budget leaves, as a new KV segment; counted as a resize unless it is the pool made at load."""
@@ -295,9 +324,13 @@ class MorphManager:
     def signals(self, load: Load) -> Signals:
         """The controller's signals: the engine's `load` and this manager's state now (units swapped, the blocks a
         swap buys, KV usage after a shrink, whether the next swap is faster at the load's batch)."""
-        return Signals.of(load, blocks_per_layer=self.blocks_per_layer, int4_layers=self.morphed_units,
-                          usage_after_shrink=self.usage_after_shrink(),
-                          swap_speeds_up=self.swap_speeds_up(load.batch) if self.policy.slowness_counts else False)
+        return Signals.of(
+            load,
+            blocks_per_layer=self.blocks_per_layer,
+            int4_layers=self.morphed_units,
+            usage_after_shrink=self.usage_after_shrink(),
+            swap_speeds_up=self.swap_speeds_up(load.batch) if self.policy.slowness_counts else False,
+        )
 
     def on_iteration(self, load: Load, iteration: int, block_tables: list[list[int]]) -> None:
         """Advance morphing by one iteration. `load` was taken before this call and `block_tables` are the
@@ -309,7 +342,9 @@ class MorphManager:
             self._finish_job()
             changed = True
         if self._restore_under_way():
-            changed |= self._restore_gives_way(signals) or (self.draining is not None and self._continue_drain(block_tables))
+            changed |= self._restore_gives_way(signals) or (
+                self.draining is not None and self._continue_drain(block_tables)
+            )
         # NOTE: the signals describe the state before this call; after a swap or a release in this call the
         # decision waits for the next iteration's signals.
         idle = self.job is None and self.draining is None and not (self.pending_down or self.pending_up)
@@ -345,7 +380,12 @@ class MorphManager:
             if k:
                 self.pending_up = k
                 self.restore_forced = action.forced
-                log.info("morph: restore %d unit(s) to full precision (%d swapped now) - %s", k, self.morphed_units, action.reason)
+                log.info(
+                    "morph: restore %d unit(s) to full precision (%d swapped now) - %s",
+                    k,
+                    self.morphed_units,
+                    action.reason,
+                )
 
     def _candidates(self) -> list[Unit]:
         done = {s.unit for s in self.swapped}
@@ -362,8 +402,13 @@ class MorphManager:
         if not self.account.fits(staged):
             # NOTE: nothing frees budget on its own (KV grows only into what is left): waiting would retry every
             # iteration and keep the manager busy forever
-            log.warning("morph: no room to stage %s (%d bytes, %d of %d budget bytes used); the swap is given up",
-                        self.units[unit].name, staged, self.account.used, self.account.budget)
+            log.warning(
+                "morph: no room to stage %s (%d bytes, %d of %d budget bytes used); the swap is given up",
+                self.units[unit].name,
+                staged,
+                self.account.used,
+                self.account.budget,
+            )
             self.pending_down = 0
             return
         self._submit("down", unit, staged)
@@ -407,9 +452,16 @@ class MorphManager:
             self._grow_kv()  # the INT4 fragment's bytes are free again: keep the reserve, use the rest
         apply = self.clock() - t0
         self.swap_log.record(prepare, apply)
-        log.info("morph: %s -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers, lm_head %s)",
-                 self.units[job.unit].name, precision, prepare * 1e3, apply * 1e3, self.pool.num_blocks, self.int4_layers,
-                 Precision.INT8 if self.head_int8 else Precision.FULL)
+        log.info(
+            "morph: %s -> %s (prepare %.1f ms, apply %.2f ms, KV %d blocks, %d INT4 layers, lm_head %s)",
+            self.units[job.unit].name,
+            precision,
+            prepare * 1e3,
+            apply * 1e3,
+            self.pool.num_blocks,
+            self.int4_layers,
+            Precision.INT8 if self.head_int8 else Precision.FULL,
+        )
 
     # ---- restore -----------------------------------------------------------------------------------
     def _restore_failed(self, err: Exception) -> None:
@@ -422,8 +474,13 @@ class MorphManager:
         self._refresh()
         top.segment = self._grow_kv()
         self.stuck.append(top)
-        log.error("morph: cannot restore %s to full precision: %s; it stays swapped down until the fragment is "
-                  "repaired and the server restarted", self.units[top.unit].name, err)
+        log.error(
+            "morph: cannot restore %s to full precision: %s; it stays swapped down until the fragment is "
+            "repaired and the server restarted",
+            self.units[top.unit].name,
+            err,
+        )
+
     def _start_up(self, block_tables: list[list[int]]) -> None:
         if not self.swapped:
             self.pending_up = 0
@@ -463,8 +520,12 @@ class MorphManager:
         self.pending_up = staging_up
         self.controller.restore_called_off(signals.now)
         self.counters.restores_called_off += 1
-        log.info("morph: restore called off with %d unit(s) not restored (%d swapped) - %s", left,
-                 self.morphed_units - staging_up, "; ".join(why))
+        log.info(
+            "morph: restore called off with %d unit(s) not restored (%d swapped) - %s",
+            left,
+            self.morphed_units - staging_up,
+            "; ".join(why),
+        )
         self._refresh()
         return True
 
@@ -493,15 +554,21 @@ class MorphManager:
         # Bounded: each pass releases one more added segment; the base pool (the first) is never drained.
         extra = next((s for s in reversed(self.pool.segments[1:]) if not s.draining), None)
         if extra is None:
-            log.error("morph: no room to stage full %s (%d bytes) with every added KV segment released; "
-                      "the restore is given up", self.units[unit].name, staged)
+            log.error(
+                "morph: no room to stage full %s (%d bytes) with every added KV segment released; "
+                "the restore is given up",
+                self.units[unit].name,
+                staged,
+            )
             self.pending_up = 0
             return
-        log.warning("morph: no room to stage full %s yet; draining the KV segment at block %d too", self.units[unit].name,
-                    extra.base)
+        log.warning(
+            "morph: no room to stage full %s yet; draining the KV segment at block %d too",
+            self.units[unit].name,
+            extra.base,
+        )
         self.draining = extra
         self._continue_drain(block_tables)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
-

@@ -4,6 +4,7 @@ glibc raises its mmap threshold dynamically after large frees; later tensor allo
 heap, and freed fragments stay resident as heap fragmentation. Pinning the threshold keeps every tensor
 above 128 KiB in its own mapping, returned to the OS when freed (a swapped-out fragment really frees).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -13,6 +13,7 @@ are exported (Makefile, Dockerfile); changing them in a running process has no e
 - Where the machine is shared with other heavy work (CI, the test suite: .ci/run), PASSIVE is the polite
   setting; a caller's own values always win (with_openmp_defaults fills only what is unset).
 """
+
 from __future__ import annotations
 
 from collections.abc import MutableMapping

@@ -1,4 +1,5 @@
 """Small dataclasses the engine hands to its callers (the Triton glue, the CLI, benchmarks)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,6 +3,7 @@
 A `StrEnum`, so a member is its string everywhere it is written down (manifest keys, logs, JSON, metrics):
 `Precision.INT4 == "int4"` and `f"{Precision.INT4}"` is `int4`.
 """
+
 from __future__ import annotations
 
 from enum import StrEnum

@@ -13,6 +13,7 @@ blocks before its last prompt token (that token is always computed, for its logi
 of its own. The weights key is part of the name, so KV computed while layers were INT4 is never reused once
 they are restored (nor the reverse), and a request stops caching blocks once the weights change under it.
 """
+
 from __future__ import annotations
 
 import hashlib

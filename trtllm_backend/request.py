@@ -1,4 +1,5 @@
 """A request as the scheduler and engine see it: tokens, computed tokens, block table, output state."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -89,9 +90,13 @@ class Request:
     def kv_reuse(self) -> KVReuse:
         """How much of the prompt's KV came from the cache at the request's first admission (prefix_cache.py)."""
         blocks = len(self.block_table)
-        return KVReuse(reused_blocks=self.reused_blocks, missed_blocks=self.missed_blocks,
-                       new_blocks=max(0, blocks - self.reused_blocks), total_blocks=blocks,
-                       reused_tokens=self.reused_tokens)
+        return KVReuse(
+            reused_blocks=self.reused_blocks,
+            missed_blocks=self.missed_blocks,
+            new_blocks=max(0, blocks - self.reused_blocks),
+            total_blocks=blocks,
+            reused_tokens=self.reused_tokens,
+        )
 
 
 def streams_tpot(requests: list[Request]) -> float:

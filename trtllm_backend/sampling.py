@@ -1,4 +1,5 @@
 """Per-request sampling parameters and the batched sampler."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -49,7 +50,11 @@ class SamplingParams:
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or self.temperature != self.temperature
+            or self.temperature < 0
+        ):
             raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest("top_k", f"must be an integer >= 0, got {self.top_k!r}")
@@ -64,20 +69,26 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (-2.0 <= value <= 2.0):
                 raise InvalidRequest(name, f"must be a number in [-2, 2], got {value!r}")
         if not is_priority(self.priority):
-            raise InvalidRequest("priority", f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is more "
-                                             f"important), got {self.priority!r}")
+            raise InvalidRequest(
+                "priority",
+                f"must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is more "
+                f"important), got {self.priority!r}",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS
+            ):
                 raise InvalidRequest(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {value!r}")
         if self.guide is not None:
             if not isinstance(self.guide, Guide):
                 raise InvalidRequest("guide", f"must be a Guide, got {type(self.guide).__name__}")
             if self.ignore_eos or self.min_tokens:
                 # NOTE: the grammar decides where the text may end; a forced length would contradict it
-                raise InvalidRequest("min_tokens" if self.min_tokens else "ignore_eos",
-                                     "cannot be combined with a structured output (the grammar decides the end)")
+                raise InvalidRequest(
+                    "min_tokens" if self.min_tokens else "ignore_eos",
+                    "cannot be combined with a structured output (the grammar decides the end)",
+                )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop", "must be a list of non-empty strings")
 
@@ -90,7 +101,9 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]] | None
+) -> torch.Tensor:
     """`logits` with each penalized row lowered for the tokens its request generated (a copy; the same
     tensor when no row is penalized)."""
     rows = [r for r, p in enumerate(params) if p.penalized]
@@ -108,8 +121,12 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           outputs: list[list[int]] | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    outputs: list[list[int]] | None = None,
+) -> list[int]:
     """Pick one token per row of `logits` [batch, vocab] (fp32). `outputs`: each row's generated token ids so
     far, needed only when a row has a frequency or presence penalty."""
     logits = apply_penalties(logits, params, outputs)

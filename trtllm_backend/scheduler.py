@@ -14,6 +14,7 @@ of its own or a higher one.
 A request admitted with nothing computed first takes the longest cached prefix of its tokens from the pool's
 prefix cache: those tokens count as computed and are never prefilled (prefix_cache.py).
 """
+
 from __future__ import annotations
 
 import bisect

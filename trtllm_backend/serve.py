@@ -14,6 +14,7 @@ written to a file only this user can read (its path is printed; the key is not).
 `MORPHSERVE_OPEN_ADMIN=1`) leaves them open. With `--openai-port` and a gateway key ($OPENAI_GATEWAY_API_KEY)
 Triton listens on 127.0.0.1 only, unless --address says otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ from pathlib import Path
 from . import env_vars
 from .triton import admin
 from .triton.params import ParamError, parse_assignment
+
 # Re-exported: `from trtllm_backend import serve; serve.launch(...)` is the documented Python entry point.
 from .triton.server import ServerHandle, free_ports, launch
 
@@ -33,7 +35,8 @@ __all__ = ["ServerHandle", "free_ports", "launch", "main"]
 
 def _print_endpoints(handle: ServerHandle) -> None:
     m = handle.model
-    print(f"""
+    print(
+        f"""
 [serve] ready: model '{m}'
   HTTP     http://{handle.http_url}   (/v2/models/{m}/generate, SSE: /v2/models/{m}/generate_stream)
   gRPC     {handle.grpc_url}
@@ -41,7 +44,9 @@ def _print_endpoints(handle: ServerHandle) -> None:
   try:
     curl -s -X POST {handle.http_url}/v2/models/{m}/generate \\
       -d '{{"text_input": "The capital of France is", "max_tokens": 16}}'
-""", flush=True)
+""",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,25 +56,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
-    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                    help="override a config.pbtxt parameter for this run (repeatable); see docs/configuration.md")
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a config.pbtxt parameter for this run (repeatable); see docs/configuration.md",
+    )
     ap.add_argument("--backend-dir", default="build/backends")
     ap.add_argument("--no-build-fragments", action="store_true")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
-    ap.add_argument("--openai-port", type=int, default=None,
-                    help="also start the OpenAI-compatible gateway (python -m trtllm_backend.openai) on this port")
-    ap.add_argument("--address", default=env_vars.TRITON_ADDRESS.value() or None,
-                    help="Triton's HTTP and gRPC bind address (metrics follow HTTP) (default: "
-                         "$MORPHSERVE_TRITON_ADDRESS, else 127.0.0.1 when --openai-port fronts it with a key "
-                         "($OPENAI_GATEWAY_API_KEY), else every interface)")
-    ap.add_argument("--open-admin", action="store_true", default=admin.open_from_env(),
-                    help="leave Triton's admin APIs (shared memory, model repository, logging, trace) open to "
-                         "anyone, as Triton does by itself (default: $MORPHSERVE_OPEN_ADMIN, else closed)")
-    ap.add_argument("--admin-key-file", type=Path, default=None,
-                    help="where to write the admin key, mode 0600 (default: $MORPHSERVE_ADMIN_KEY_FILE, else "
-                         "admin-key.<http port> in $XDG_RUNTIME_DIR/morphserve or <tmp>/morphserve-<uid>; "
-                         "not written when $MORPHSERVE_ADMIN_KEY gives the key, unless named here)")
+    ap.add_argument(
+        "--openai-port",
+        type=int,
+        default=None,
+        help="also start the OpenAI-compatible gateway (python -m trtllm_backend.openai) on this port",
+    )
+    ap.add_argument(
+        "--address",
+        default=env_vars.TRITON_ADDRESS.value() or None,
+        help="Triton's HTTP and gRPC bind address (metrics follow HTTP) (default: "
+        "$MORPHSERVE_TRITON_ADDRESS, else 127.0.0.1 when --openai-port fronts it with a key "
+        "($OPENAI_GATEWAY_API_KEY), else every interface)",
+    )
+    ap.add_argument(
+        "--open-admin",
+        action="store_true",
+        default=admin.open_from_env(),
+        help="leave Triton's admin APIs (shared memory, model repository, logging, trace) open to "
+        "anyone, as Triton does by itself (default: $MORPHSERVE_OPEN_ADMIN, else closed)",
+    )
+    ap.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        help="where to write the admin key, mode 0600 (default: $MORPHSERVE_ADMIN_KEY_FILE, else "
+        "admin-key.<http port> in $XDG_RUNTIME_DIR/morphserve or <tmp>/morphserve-<uid>; "
+        "not written when $MORPHSERVE_ADMIN_KEY gives the key, unless named here)",
+    )
     ap.add_argument("--print-admin-key", action="store_true", help="also print the admin key on stdout")
     args = ap.parse_args(argv)
     # NOTE: installed before the server starts: a SIGTERM that arrives while it starts (a client saw it ready
@@ -85,11 +110,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = dict(parse_assignment(a) for a in args.param)
         key, key_file = _admin_key(args)
-        handle = launch(args.model_repository, model=args.model, http_port=args.http_port,
-                        grpc_port=args.grpc_port, metrics_port=args.metrics_port, params=overrides,
-                        backend_dir=args.backend_dir, build_fragments=not args.no_build_fragments,
-                        ready_timeout=args.ready_timeout, extra_args=args.server_arg, admin_key=key,
-                        open_admin=args.open_admin, address=address)
+        handle = launch(
+            args.model_repository,
+            model=args.model,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            params=overrides,
+            backend_dir=args.backend_dir,
+            build_fragments=not args.no_build_fragments,
+            ready_timeout=args.ready_timeout,
+            extra_args=args.server_arg,
+            admin_key=key,
+            open_admin=args.open_admin,
+            address=address,
+        )
     except (ParamError, FileNotFoundError, RuntimeError, TimeoutError, ValueError, OSError) as exc:
         print(f"[serve] error: {exc}", file=sys.stderr)
         _remove(key_file)
@@ -101,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
 
         fragments = Path(args.model_repository) / args.model / "1" / "fragments"
         try:
-            gateway = start_gateway(handle.grpc_url, args.openai_port, host="0.0.0.0",
-                                    extra_args=("--model", args.model, "--fragments", str(fragments)))
+            gateway = start_gateway(
+                handle.grpc_url,
+                args.openai_port,
+                host="0.0.0.0",
+                extra_args=("--model", args.model, "--fragments", str(fragments)),
+            )
         except RuntimeError as exc:
             print(f"[serve] error: {exc}", file=sys.stderr)
             handle.stop()
@@ -135,12 +174,18 @@ def _admin_key(args: argparse.Namespace) -> tuple[str | None, Path | None]:
 
 def _print_admin(handle: ServerHandle, key_file: Path | None, show_key: bool) -> None:
     if handle.admin_key is None:
-        print("  admin    OPEN: anyone who reaches Triton can use its shared-memory, model-repository, logging "
-              "and trace APIs (--open-admin)", flush=True)
+        print(
+            "  admin    OPEN: anyone who reaches Triton can use its shared-memory, model-repository, logging "
+            "and trace APIs (--open-admin)",
+            flush=True,
+        )
         return
     where = f"key in {key_file} (mode 0600)" if key_file else f"key from ${admin.ADMIN_KEY_ENV}"
-    print(f"  admin    shared memory, model repository, logging, trace: header '{admin.ADMIN_HEADER}' over HTTP, "
-          f"'{admin.GRPC_ADMIN_HEADER}' over gRPC; {where}", flush=True)
+    print(
+        f"  admin    shared memory, model repository, logging, trace: header '{admin.ADMIN_HEADER}' over HTTP, "
+        f"'{admin.GRPC_ADMIN_HEADER}' over gRPC; {where}",
+        flush=True,
+    )
     if show_key:
         print(f"  admin key: {handle.admin_key}", flush=True)
 

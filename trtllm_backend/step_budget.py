@@ -11,6 +11,7 @@ A step's time is modelled as fixed + per_token x tokens: `fixed` (reading the we
 from steps of decodes only, `per_token` from steps with a prefill chunk. Both are moving averages of what this
 engine measured, so the budget follows the thread count, the layers' precision mix and the machine.
 """
+
 from __future__ import annotations
 
 MIN_PREFILL_CHUNK = 16  # tokens a step with decodes may always prefill: a waiting prompt always progresses

@@ -1,4 +1,5 @@
 """Turns a request's new tokens into RequestOutput pieces: detokenize, stop checks, hold-back for stops."""
+
 from __future__ import annotations
 
 import logging

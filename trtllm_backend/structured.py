@@ -9,6 +9,7 @@ matcher. The grammar allows end-of-sequence only where the text is complete, and
 NOTE: llguidance, not xgrammar or outlines-core: the cheapest per token on this CPU of the three, with no GPU
 dependencies and no per-schema precompilation (results/structured_outputs/ has the measurement).
 """
+
 from __future__ import annotations
 
 import json

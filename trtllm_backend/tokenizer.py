@@ -1,4 +1,5 @@
 """Tokenizer of a fragment set, ChatML rendering, and incremental detokenization."""
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -28,7 +29,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def chat_prompt(self, user: str, system: str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face") -> str:
+    def chat_prompt(
+        self, user: str, system: str = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    ) -> str:
         """ChatML, the template of SmolLM2-Instruct (rendered without jinja)."""
         return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 

@@ -2,6 +2,7 @@
 tied embedding / LM head (full <-> INT8, its HeadSlot). The manager keeps each unit's key (the layer index, or
 HEAD_UNIT: its name in the manifest's swap order) in its state and asks the unit for everything else, so it has
 no branch on which kind it moves."""
+
 from __future__ import annotations
 
 from typing import Protocol

@@ -6,6 +6,7 @@ capacity.json and the plots. Resumable: every probe's raw result is kept and a r
     python -m tools.capacity --traffic conv --pools 256 --policies full,balanced --seeds 0,1,2
     python -m tools.capacity --report-only                                 # rebuild the report from raw/
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,36 +53,63 @@ def _remember(out: Path, command: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.capacity", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.capacity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--traffic", default="conv,code", help="traffic kinds (tools/capacity/traffic.py)")
-    ap.add_argument("--pools", default=FULL_POOLS, type=lambda t: _ints(t, "--pools"),
-                    help="max_tokens_in_paged_kv_cache values (tokens)")
+    ap.add_argument(
+        "--pools",
+        default=FULL_POOLS,
+        type=lambda t: _ints(t, "--pools"),
+        help="max_tokens_in_paged_kv_cache values (tokens)",
+    )
     ap.add_argument("--policies", default=FULL_POLICIES)
-    ap.add_argument("--seeds", default="0,1,2", type=lambda t: _ints(t, "--seeds"), help="thinning seeds (>= 3 for an interval)")
-    ap.add_argument("--thin", type=float, help="a variant of each kind thinned to this share (stored apart; with --min-requests)")
+    ap.add_argument(
+        "--seeds", default="0,1,2", type=lambda t: _ints(t, "--seeds"), help="thinning seeds (>= 3 for an interval)"
+    )
+    ap.add_argument(
+        "--thin", type=float, help="a variant of each kind thinned to this share (stored apart; with --min-requests)"
+    )
     ap.add_argument("--min-requests", type=int, default=200, help="with --thin: the fewest requests a probe may have")
     ap.add_argument("--start-rate", type=float, help="rate scale every search starts at (default: the kind's)")
     ap.add_argument("--precision", type=float, default=0.05, help="bisection stops at hi/lo <= 1 + this")
     ap.add_argument("--max-probes", type=int, default=12, help="per policy and seed")
-    ap.add_argument("--warm-bracket", action="store_true",
-                    help="seeds after the first bracket in steps of the precision around the previous seed's capacity "
-                         "(off by default: stored searches made without it replay unchanged)")
-    ap.add_argument("--overload", type=float, default=DEFAULT_FACTOR,
-                    help="after each seed's searches, probe every policy at this multiple of full's capacity "
-                         "(issue 12's overload targets; 0: not)")
-    ap.add_argument("--overload-only", action="store_true",
-                    help="search full's capacity alone (stored probes are reused), then probe every policy once at "
-                         "the --overload multiple of it: the overload comparison without the other searches")
-    ap.add_argument("--repeat-nearest", type=int, default=0, metavar="K",
-                    help="after each seed's search, run the probes either side of each capacity K more times "
-                         "(the within-seed noise, in the report; capacities still come from the search alone)")
+    ap.add_argument(
+        "--warm-bracket",
+        action="store_true",
+        help="seeds after the first bracket in steps of the precision around the previous seed's capacity "
+        "(off by default: stored searches made without it replay unchanged)",
+    )
+    ap.add_argument(
+        "--overload",
+        type=float,
+        default=DEFAULT_FACTOR,
+        help="after each seed's searches, probe every policy at this multiple of full's capacity "
+        "(issue 12's overload targets; 0: not)",
+    )
+    ap.add_argument(
+        "--overload-only",
+        action="store_true",
+        help="search full's capacity alone (stored probes are reused), then probe every policy once at "
+        "the --overload multiple of it: the overload comparison without the other searches",
+    )
+    ap.add_argument(
+        "--repeat-nearest",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after each seed's search, run the probes either side of each capacity K more times "
+        "(the within-seed noise, in the report; capacities still come from the search alone)",
+    )
     ap.add_argument("--param", action="append", default=[], type=_param, help="server parameter NAME=VALUE")
     ap.add_argument("--ttft-slo-s", type=float, default=Slos().ttft_s, help="keep the default across commits")
     ap.add_argument("--tpot-slo-s", type=float, default=Slos().tpot_s, help="keep the default across commits")
     ap.add_argument("--out", default="results/replay/capacity", help="report folder (raw/ inside)")
-    ap.add_argument("--json", help="the run's figures as numbers (default: OUT/capacity.json; "
-                    "results/replay/capacity.json gathers every run's: python -m tools.capacity.summary)")
+    ap.add_argument(
+        "--json",
+        help="the run's figures as numbers (default: OUT/capacity.json; "
+        "results/replay/capacity.json gathers every run's: python -m tools.capacity.summary)",
+    )
     ap.add_argument("--quality", default="results/quality/quality.json")
     ap.add_argument("--force", action="store_true", help="run probes again even if stored")
     ap.add_argument("--report-only", action="store_true")
@@ -97,10 +125,23 @@ def main(argv=None) -> int:
                 traffic = [t.variant(args.thin, args.min_requests) for t in traffic]
             if args.start_rate is not None:
                 traffic = [replace(t, start_rate_scale=args.start_rate) for t in traffic]
-            plan = Plan(traffic, args.pools, [p.strip() for p in args.policies.split(",") if p.strip()],
-                        args.seeds, out, dict(args.param), Slos(args.ttft_slo_s, args.tpot_slo_s), args.precision,
-                        args.max_probes, args.force, args.progress, args.warm_bracket, args.overload or None,
-                        args.repeat_nearest, args.overload_only)
+            plan = Plan(
+                traffic,
+                args.pools,
+                [p.strip() for p in args.policies.split(",") if p.strip()],
+                args.seeds,
+                out,
+                dict(args.param),
+                Slos(args.ttft_slo_s, args.tpot_slo_s),
+                args.precision,
+                args.max_probes,
+                args.force,
+                args.progress,
+                args.warm_bracket,
+                args.overload or None,
+                args.repeat_nearest,
+                args.overload_only,
+            )
         except ValueError as exc:
             ap.error(str(exc))
         _remember(out, command)
@@ -116,7 +157,9 @@ def main(argv=None) -> int:
     if not args.no_report:
         from tools.capacity.report import write_report  # matplotlib only when a report is written
 
-        write_report(out, repo_path(args.json) if args.json else out / "capacity.json", repo_path(args.quality), command)
+        write_report(
+            out, repo_path(args.json) if args.json else out / "capacity.json", repo_path(args.quality), command
+        )
     return 0
 
 

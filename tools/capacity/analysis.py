@@ -2,6 +2,7 @@
 that failed), each policy's mean capacity with its 95% interval, its ratio to `full` on the same seeds
 (Fieller), the time-weighted quality loss at capacity, and the numbers that explain the regime (decode batch
 reached, KV usage, prompt share of tokens) from the probe's own timeline."""
+
 from __future__ import annotations
 
 import math
@@ -74,9 +75,15 @@ def classes(records, slo: rm.Slo) -> dict[str, dict]:
         by[getattr(r, "priority", 0)].append(r)
     if len(by) < 2:
         return {}
-    return {str(p): {"requests": len(rs), "attainment": sum(slo.met(r) for r in rs) / len(rs),
-                     "ttft_p95": rm.summarize(rs, slo).ttft.p95, "misses": misses(rs, slo)}
-            for p, rs in sorted(by.items())}
+    return {
+        str(p): {
+            "requests": len(rs),
+            "attainment": sum(slo.met(r) for r in rs) / len(rs),
+            "ttft_p95": rm.summarize(rs, slo).ttft.p95,
+            "misses": misses(rs, slo),
+        }
+        for p, rs in sorted(by.items())
+    }
 
 
 def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
@@ -97,10 +104,17 @@ def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
     sent_prompt = sum(r.prompt_tokens for r in res.records)
     reused = _during(res.samples, "prefix_reused_tokens")  # nan where the probe predates the gauge
     return {
-        "rate": probe["rate"], "attainment": probe["attainment"], "sensitivity": probe.get("sensitivity", {}),
-        "requests": probe["requests"], "offered_req_s": probe["offered_req_s"],
-        "violation_rate": s.slo_violation_rate, "misses": misses(res.records, slo), "ttft_p50": s.ttft.p50, "ttft_p95": s.ttft.p95,
-        "tpot_p50": s.tpot.p50, "tpot_p95": s.tpot.p95,
+        "rate": probe["rate"],
+        "attainment": probe["attainment"],
+        "sensitivity": probe.get("sensitivity", {}),
+        "requests": probe["requests"],
+        "offered_req_s": probe["offered_req_s"],
+        "violation_rate": s.slo_violation_rate,
+        "misses": misses(res.records, slo),
+        "ttft_p50": s.ttft.p50,
+        "ttft_p95": s.ttft.p95,
+        "tpot_p50": s.tpot.p50,
+        "tpot_p95": s.tpot.p95,
         "decode_batch_mean": float(batch.mean()) if batch.size else math.nan,
         "decode_batch_max": float(batch.max()) if batch.size else math.nan,
         "waiting_mean": float(col("waiting").mean()) if busy and col("waiting").size else math.nan,
@@ -112,11 +126,16 @@ def probe_numbers(path: Path, quality: dict[int, float] | None) -> dict:
         "kv_tokens_peak": max((x["kv_blocks"] for x in res.samples if "kv_blocks" in x), default=math.nan) * block_size,
         "preemptions": _during(res.samples, "preemptions"),
         "layer_swaps_down": _during(res.samples, "swaps_down"),
-        "int4_layers_mean": s.mean_int4_layers, "prompt_token_share": prompt / (prompt + out) if ok else math.nan,
+        "int4_layers_mean": s.mean_int4_layers,
+        "prompt_token_share": prompt / (prompt + out) if ok else math.nan,
         "quality_loss": rm.quality_loss(ppl, quality) if quality and not math.isnan(ppl) else math.nan,
-        "load_avg_1m": probe["load_avg_1m"], "started_utc": probe["started_utc"], "commit": probe["commit"],
-        "dirty": probe.get("dirty", []), "unloaded_ttft_s": res.unloaded_ttft_s,
-        "prefix_reused_tokens": reused, "prefix_reused_share": reused / sent_prompt if sent_prompt else math.nan,
+        "load_avg_1m": probe["load_avg_1m"],
+        "started_utc": probe["started_utc"],
+        "commit": probe["commit"],
+        "dirty": probe.get("dirty", []),
+        "unloaded_ttft_s": res.unloaded_ttft_s,
+        "prefix_reused_tokens": reused,
+        "prefix_reused_share": reused / sent_prompt if sent_prompt else math.nan,
         "classes": classes(res.records, slo),
     }
 
@@ -133,10 +152,21 @@ class PolicyResult:
 
     def as_dict(self) -> dict:
         d = lambda i: i.as_dict() if i else None  # noqa: E731
-        return {"capacity_rate_scale": d(self.capacity), "capacity_req_s": d(self.req_s),
-                "ratio_to_full": d(self.ratio), "quality_loss": d(self.quality_loss),
-                "per_seed": [{"seed": s.seed, "capacity_rate_scale": s.capacity, "failed_above": s.failed_above,
-                              "probes": len(s.probes)} for s in self.seeds]}
+        return {
+            "capacity_rate_scale": d(self.capacity),
+            "capacity_req_s": d(self.req_s),
+            "ratio_to_full": d(self.ratio),
+            "quality_loss": d(self.quality_loss),
+            "per_seed": [
+                {
+                    "seed": s.seed,
+                    "capacity_rate_scale": s.capacity,
+                    "failed_above": s.failed_above,
+                    "probes": len(s.probes),
+                }
+                for s in self.seeds
+            ],
+        }
 
 
 def analyse(root: Path, quality: dict[int, float] | None) -> dict[tuple[str, int], dict[str, PolicyResult]]:
@@ -158,11 +188,14 @@ def analyse(root: Path, quality: dict[int, float] | None) -> dict[tuple[str, int
             paired = [s for s in have if s.seed in ref]
             losses = [n["quality_loss"] for n in nums if not math.isnan(n["quality_loss"])]
             out[cell][policy] = PolicyResult(
-                policy, seeds,
+                policy,
+                seeds,
                 mean_interval([s.capacity for s in have]) if have else None,
                 mean_interval([n["offered_req_s"] for n in nums]) if nums else None,
                 ratio_interval([s.capacity for s in paired], [ref[s.seed] for s in paired]) if paired else None,
-                nums, mean_interval(losses) if losses else None)
+                nums,
+                mean_interval(losses) if losses else None,
+            )
     return out
 
 
@@ -174,13 +207,17 @@ def same_rate(root: Path, traffic: str, pool: int, quality: dict[int, float] | N
         p = store.load_probe(path)
         if p["traffic"] == traffic and p["pool"] == pool:
             by[(p["seed"], p["rate"])][p["policy"]] = path
-    return [(seed, rate, {pol: probe_numbers(path, quality) for pol, path in paths.items()})
-            for (seed, rate), paths in sorted(by.items()) if REFERENCE in paths and len(paths) > 1]
+    return [
+        (seed, rate, {pol: probe_numbers(path, quality) for pol, path in paths.items()})
+        for (seed, rate), paths in sorted(by.items())
+        if REFERENCE in paths and len(paths) > 1
+    ]
 
 
 @dataclass
 class RepeatedProbe:
     """One (policy, seed, rate) run more than once: the search's probe first, then its repeats."""
+
     policy: str
     seed: int
     rate: float
@@ -197,8 +234,15 @@ class RepeatedProbe:
         return len(set(self.verdicts)) == 1
 
     def as_dict(self) -> dict:
-        return {"policy": self.policy, "seed": self.seed, "rate_scale": self.rate, "attainments": self.attainments,
-                "verdicts": self.verdicts, "spread": self.spread, "verdicts_agree": self.verdicts_agree}
+        return {
+            "policy": self.policy,
+            "seed": self.seed,
+            "rate_scale": self.rate,
+            "attainments": self.attainments,
+            "verdicts": self.verdicts,
+            "spread": self.spread,
+            "verdicts_agree": self.verdicts_agree,
+        }
 
 
 def within_seed_noise(root: Path, traffic: str, pool: int) -> list[RepeatedProbe]:
@@ -212,6 +256,9 @@ def within_seed_noise(root: Path, traffic: str, pool: int) -> list[RepeatedProbe
     for (policy, seed, rate), probes in sorted(runs.items()):
         if len(probes) > 1:
             probes.sort(key=lambda p: p.get("repeat", 0))
-            out.append(RepeatedProbe(policy, seed, rate, [p["attainment"] for p in probes],
-                                     [bool(p["attained"]) for p in probes]))
+            out.append(
+                RepeatedProbe(
+                    policy, seed, rate, [p["attainment"] for p in probes], [bool(p["attained"]) for p in probes]
+                )
+            )
     return out

@@ -9,6 +9,7 @@ length that turn was asked to generate), not the answer the server gave, so the 
 previous prompt only; a server that also caches generated blocks reuses no more of it here than it would of a
 real answer re-tokenized by a client.
 """
+
 from __future__ import annotations
 
 import random
@@ -68,12 +69,17 @@ class Conversations:
         return out
 
     def describe(self) -> str:
-        mixed = ("" if self.interactive_share is None else
-                 f"; {self.interactive_share:.0%} of conversations interactive (priority {INTERACTIVE}), the rest batch "
-                 f"(priority {BATCH})")
-        return (f"multi-turn: a request starts a conversation with probability 1/{self.mean_turns:g}, else continues "
-                f"a random open one; a turn resends the conversation so far (previous answers as corpus stand-ins) "
-                f"up to {self.max_context_tokens} tokens with its output{mixed}")
+        mixed = (
+            ""
+            if self.interactive_share is None
+            else f"; {self.interactive_share:.0%} of conversations interactive (priority {INTERACTIVE}), the rest batch "
+            f"(priority {BATCH})"
+        )
+        return (
+            f"multi-turn: a request starts a conversation with probability 1/{self.mean_turns:g}, else continues "
+            f"a random open one; a turn resends the conversation so far (previous answers as corpus stand-ins) "
+            f"up to {self.max_context_tokens} tokens with its output{mixed}"
+        )
 
 
 def plan_turns(turns: list[Turn], prompts) -> list[Planned]:

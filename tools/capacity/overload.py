@@ -4,6 +4,7 @@ full precision's capacity, SLO violations cut by at least 95% and P95 TTFT at le
 The plan runs these probes after a seed's searches, back to back, with the same requests; each is stored like
 any other probe (it is evidence about its policy's capacity too) and marked with the multiple it was run at
 (`overload_of_full` in its probe block), so the report finds the pairs without recomputing the rate."""
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,9 @@ class OverloadPair:
         return f / o if o and not math.isnan(o) and not math.isnan(f) else None
 
 
-def pairs(root: Path, traffic: str, pool: int, quality: dict[int, float] | None) -> dict[tuple[float, str], list[OverloadPair]]:
+def pairs(
+    root: Path, traffic: str, pool: int, quality: dict[int, float] | None
+) -> dict[tuple[float, str], list[OverloadPair]]:
     """(factor, policy) -> one pair per seed that has both full's and this policy's probe at that factor."""
     by: dict[tuple[float, int], dict[str, Path]] = defaultdict(dict)
     for path in store.stored(root):
@@ -70,6 +73,7 @@ def pairs(root: Path, traffic: str, pool: int, quality: dict[int, float] | None)
 
 def summary(found: list[OverloadPair]) -> dict[str, Interval | None]:
     """Mean and 95% interval over seeds of each figure; the cut over the seeds where full missed anything."""
+
     def iv(values, share=False):
         values = [v for v in values if v is not None]
         if not values:
@@ -78,15 +82,20 @@ def summary(found: list[OverloadPair]) -> dict[str, Interval | None]:
         if share and i.lo is not None:  # a share's t interval can cross 0 or 1; the share cannot
             i = replace(i, lo=max(0.0, i.lo), hi=min(1.0, i.hi))
         return i
-    return {"violations_full": iv([p.violations[0] for p in found], True),
-            "violations_other": iv([p.violations[1] for p in found], True),
-            "cut": iv([p.cut for p in found], True),
-            "ttft_p95_full": iv([p.full["ttft_p95"] for p in found]),
-            "ttft_p95_other": iv([p.other["ttft_p95"] for p in found]),
-            "ttft_x": iv([p.ttft_x for p in found])}
+
+    return {
+        "violations_full": iv([p.violations[0] for p in found], True),
+        "violations_other": iv([p.violations[1] for p in found], True),
+        "cut": iv([p.cut for p in found], True),
+        "ttft_p95_full": iv([p.full["ttft_p95"] for p in found]),
+        "ttft_p95_other": iv([p.other["ttft_p95"] for p in found]),
+        "ttft_x": iv([p.ttft_x for p in found]),
+    }
 
 
 def meets_targets(s: dict[str, Interval | None]) -> tuple[bool, bool]:
     """(violations cut by >= 95%, P95 TTFT >= 4x lower), each judged on its mean over seeds."""
-    return (s["cut"] is not None and s["cut"].mean >= TARGET_CUT,
-            s["ttft_x"] is not None and s["ttft_x"].mean >= TARGET_TTFT_X)
+    return (
+        s["cut"] is not None and s["cut"].mean >= TARGET_CUT,
+        s["ttft_x"] is not None and s["ttft_x"].mean >= TARGET_TTFT_X,
+    )

@@ -2,6 +2,7 @@
 stepped in turn (a probe of every policy at the same seed back to back, so the machine's load drift hits all
 alike). Servers are started only when a probe must run, one per policy, and kept for the (traffic, pool);
 between probes each is left to go idle (and a dynamic one to restore its layers)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,10 @@ BASE_PARAMS = {**DEFAULT_PARAMS, "max_queue_size": "1024"}
 
 # Policy variant names that set a server parameter of their own rather than a controller threshold, with the
 # values each takes (None: passed as given).
-VARIANT_PARAMS = {"lm_head": ("lm_head_precision", None),
-                  "prefix": ("enable_kv_cache_reuse", {"on": "true", "off": "false"})}
+VARIANT_PARAMS = {
+    "lm_head": ("lm_head_precision", None),
+    "prefix": ("enable_kv_cache_reuse", {"on": "true", "off": "false"}),
+}
 # Parameters under which a server starts with more KV than the nominal pool (the INT8 head's freed bytes, or a
 # budget of its own): the pool is then checked against what each server reports at start, not by its number.
 KV_ENLARGING = {"lm_head_precision": "int8", "memory_budget_bytes": None}
@@ -46,8 +49,10 @@ def check_starting_kv(snap: dict[str, float], block_size: int, traffic: Traffic,
     longest request, naming the policy and the pool (every such request would be refused: a probe of errors)."""
     tokens = int(snap.get("kv_blocks", 0)) * block_size
     if tokens < traffic.max_tokens():
-        raise ValueError(f"{policy} at pool {pool} starts with {tokens} KV tokens: it cannot hold one {traffic.name} "
-                         f"request of up to {traffic.max_tokens()} tokens")
+        raise ValueError(
+            f"{policy} at pool {pool} starts with {tokens} KV tokens: it cannot hold one {traffic.name} "
+            f"request of up to {traffic.max_tokens()} tokens"
+        )
     return tokens
 
 
@@ -132,13 +137,20 @@ class Plan:
                         if policy not in servers:
                             base, morph = policy_params(policy)
                             logs = REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}" / slug(policy)
-                            started = {"server_started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-                                       **{f"server_{k}": v for k, v in provenance().items()}}  # the code it runs
+                            started = {
+                                "server_started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                                **{f"server_{k}": v for k, v in provenance().items()},
+                            }  # the code it runs
                             params = {**self.server_params(pool), **morph}
                             servers[policy] = stack.enter_context(Server(base, params, logs))
                             server_started[policy] = started
-                            check_starting_kv(starting_kv(servers[policy].metrics_url), int(params.get("block_size", 16)),
-                                              traffic, pool, policy)
+                            check_starting_kv(
+                                starting_kv(servers[policy].metrics_url),
+                                int(params.get("block_size", 16)),
+                                traffic,
+                                pool,
+                                policy,
+                            )
                         else:
                             wait_idle(servers[policy].metrics_url, policy_params(policy)[0] in DYNAMIC)
                         return servers[policy]
@@ -155,11 +167,16 @@ class Plan:
                 for policy, search in searches.items():  # one step of each policy, back to back
                     rate = search.next_rate()
                     if rate is not None:
-                        search.record(rate, self._probe(traffic, pool, policy, seed, rate, server, prompts,
-                                                        server_started)["attained"])
+                        search.record(
+                            rate,
+                            self._probe(traffic, pool, policy, seed, rate, server, prompts, server_started)["attained"],
+                        )
             for policy, search in searches.items():
-                print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy}: capacity x{search.capacity} "
-                      f"({search.status}, {len(search.probes)} probes)", flush=True)
+                print(
+                    f"[capacity] {traffic.name} pool {pool} seed {seed} {policy}: capacity x{search.capacity} "
+                    f"({search.status}, {len(search.probes)} probes)",
+                    flush=True,
+                )
                 if search.capacity:  # the next seed starts where this one ended: fewer bracketing probes
                     start[policy] = search.capacity
                     if self.warm_bracket:  # seeds agree to ~10%: 2-3 probes a seed, not 5
@@ -176,8 +193,19 @@ class Plan:
                 for policy in self.policies:
                     self._probe(traffic, pool, policy, seed, rate, server, prompts, server_started, self.overload)
 
-    def _probe(self, traffic: Traffic, pool: int, policy: str, seed: int, rate: float, server, prompts,
-               server_started: dict | None, overload: float | None = None, repeat: int = 0) -> dict:
+    def _probe(
+        self,
+        traffic: Traffic,
+        pool: int,
+        policy: str,
+        seed: int,
+        rate: float,
+        server,
+        prompts,
+        server_started: dict | None,
+        overload: float | None = None,
+        repeat: int = 0,
+    ) -> dict:
         """The stored probe, or a new one run and stored; an overload probe is marked with its multiple (a stored
         probe that happens to sit at that rate is marked, not run again)."""
         key = store.ProbeKey(traffic.name, pool, policy, seed, rate, repeat)
@@ -195,9 +223,15 @@ class Plan:
                 probe[MARK] = overload
             store.save(self.out, key, res, probe)
             how = f"ran {probe['wall_s']:.0f} s, load {probe['load_avg_1m'][0]:.1f}->{probe['load_avg_1m'][1]:.1f}"
-        what = (f"x{rate:g}" + (f" (x{overload:g} full's capacity)" if overload else "")
-                + (f" (repeat {repeat})" if repeat else ""))
-        print(f"[capacity] {traffic.name} pool {pool} seed {seed} {policy:>11} {what}: "
-              f"{probe['requests']} req at {probe['offered_req_s']:.2f} req/s, attainment "
-              f"{probe['attainment']:.1%} -> {'pass' if probe['attained'] else 'fail'} ({how})", flush=True)
+        what = (
+            f"x{rate:g}"
+            + (f" (x{overload:g} full's capacity)" if overload else "")
+            + (f" (repeat {repeat})" if repeat else "")
+        )
+        print(
+            f"[capacity] {traffic.name} pool {pool} seed {seed} {policy:>11} {what}: "
+            f"{probe['requests']} req at {probe['offered_req_s']:.2f} req/s, attainment "
+            f"{probe['attainment']:.1%} -> {'pass' if probe['attained'] else 'fail'} ({how})",
+            flush=True,
+        )
         return probe

@@ -1,5 +1,6 @@
 """PNGs of a capacity measurement: attainment against rate per policy, the regime map (capacity ratio to full
 against the KV pool size) and the frontier (capacity against time-weighted quality loss)."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,14 @@ def attainment(path: Path, title: str, results: dict) -> None:
         colour = f"C{i}"
         for j, s in enumerate(res.seeds):
             pts = sorted((p["rate"], p["attainment"]) for p in s.probes)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker=markers[j % len(markers)], color=colour,
-                    alpha=0.8, label=policy if j == 0 else None)
+            ax.plot(
+                [x for x, _ in pts],
+                [y for _, y in pts],
+                marker=markers[j % len(markers)],
+                color=colour,
+                alpha=0.8,
+                label=policy if j == 0 else None,
+            )
         if res.capacity:
             ax.axvline(res.capacity.mean, color=colour, ls=":", lw=1)
     ax.axhline(TARGET_ATTAINMENT, color="k", lw=0.8, ls="--")
@@ -53,14 +60,24 @@ def regime_map(path: Path, analysis: dict, policies: list[str], pooled: dict | N
     for ax, t in zip(axes[0], traffic):
         for i, policy in enumerate(p for p in policies if p != "full"):
             for cells, suffix, style in series:
-                pts = [(pool, cell[policy].ratio) for (tt, pool), cell in sorted(cells.items())
-                       if tt == t and policy in cell and cell[policy].ratio]
+                pts = [
+                    (pool, cell[policy].ratio)
+                    for (tt, pool), cell in sorted(cells.items())
+                    if tt == t and policy in cell and cell[policy].ratio
+                ]
                 if not pts:
                     continue
                 xs = [p for p, _ in pts]
                 ys, errs = zip(*(_err(r) for _, r in pts))
-                ax.errorbar(xs, ys, yerr=[[e[0][0] for e in errs], [e[1][0] for e in errs]], capsize=3,
-                            color=f"C{i + 1}", label=policy + suffix, **style)
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=[[e[0][0] for e in errs], [e[1][0] for e in errs]],
+                    capsize=3,
+                    color=f"C{i + 1}",
+                    label=policy + suffix,
+                    **style,
+                )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV pool at full precision (tokens)")
@@ -83,8 +100,16 @@ def frontier(path: Path, title: str, results: dict) -> None:
         y, yerr = _err(res.ratio)
         x, xerr = _err(res.quality_loss)
         label = f"{policy} ({res.ratio.n} seed{'s' if res.ratio.n != 1 else ''})"
-        ax.errorbar([100 * x], [y], xerr=[[100 * e for e in xerr[0]], [100 * e for e in xerr[1]]], yerr=yerr,
-                    marker="o", capsize=3, color=f"C{i}", label=label)
+        ax.errorbar(
+            [100 * x],
+            [y],
+            xerr=[[100 * e for e in xerr[0]], [100 * e for e in xerr[1]]],
+            yerr=yerr,
+            marker="o",
+            capsize=3,
+            color=f"C{i}",
+            label=label,
+        )
         ax.annotate(policy, (100 * x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xlabel("time-weighted perplexity loss at capacity (%)")
     ax.set_ylabel("capacity / full's, same seeds (95% CI)")

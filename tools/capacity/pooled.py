@@ -12,6 +12,7 @@ ways and prints both:
 
     python -m tools.capacity.pooled results/replay/capacity_pool256_*/capacity.json --traffic conv --pool 256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,13 +66,27 @@ def read_run(path: Path, traffic: str, pool: int, policy: str) -> RunRatio | Non
         if not ref or not pol or not pol.get("ratio_to_full"):
             return None
         full = {s["seed"]: s for s in ref["per_seed"] if s.get("capacity_rate_scale")}
-        seeds = tuple(SeedRatio(label, s["seed"], full[s["seed"]]["capacity_rate_scale"], s["capacity_rate_scale"],
-                                bool(s.get("failed_above") and full[s["seed"]].get("failed_above")))
-                      for s in pol["per_seed"] if s.get("capacity_rate_scale") and s["seed"] in full)
+        seeds = tuple(
+            SeedRatio(
+                label,
+                s["seed"],
+                full[s["seed"]]["capacity_rate_scale"],
+                s["capacity_rate_scale"],
+                bool(s.get("failed_above") and full[s["seed"]].get("failed_above")),
+            )
+            for s in pol["per_seed"]
+            if s.get("capacity_rate_scale") and s["seed"] in full
+        )
         if not seeds:
             return None
-        return RunRatio(label, tuple(data.get("commits", [])), interval_of(ref["capacity_rate_scale"]),
-                        interval_of(pol["capacity_rate_scale"]), interval_of(pol["ratio_to_full"]), seeds)
+        return RunRatio(
+            label,
+            tuple(data.get("commits", [])),
+            interval_of(ref["capacity_rate_scale"]),
+            interval_of(pol["capacity_rate_scale"]),
+            interval_of(pol["ratio_to_full"]),
+            seeds,
+        )
     return None
 
 
@@ -97,28 +112,37 @@ def render(p: Pooled, traffic: str, pool_tokens: int, policy: str) -> str:
         return iv.fmt(3)
 
     runs = f"{len(p.runs)} run{'s' if len(p.runs) > 1 else ''}"
-    lines = [f"## {policy} / {REFERENCE}, {traffic} traffic, KV pool {pool_tokens} tokens, over {runs}",
-             "", "| run | commits | full capacity | policy capacity | ratio [95% CI, the run's own] | per seed |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"## {policy} / {REFERENCE}, {traffic} traffic, KV pool {pool_tokens} tokens, over {runs}",
+        "",
+        "| run | commits | full capacity | policy capacity | ratio [95% CI, the run's own] | per seed |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in p.runs:
         per_seed = ", ".join(f"{s.seed}: {s.ratio:.2f}{'' if s.bracketed else ' (bound)'}" for s in r.seeds)
         commits = ", ".join(r.commits[:3]) + (f" +{len(r.commits) - 3}" if len(r.commits) > 3 else "")
         lines.append(f"| {r.run} | {commits} | {short(r.full)} | {short(r.policy)} | {short(r.ratio)} | {per_seed} |")
     every = [s.ratio for r in p.runs for s in r.seeds]
     target = f"target: mean >= {TARGET_RATIO}, lower end >= {TARGET_RATIO_LO}"
-    lines += ["",
-              f"- **Per seed** (n = {p.per_seed.n} pairs, runs treated as one population): {short(p.per_seed)}"
-              f" ({target}: {'met' if p.meets_target(p.per_seed) else 'not met'}); lowest {min(every):.2f}, "
-              f"highest {max(every):.2f}; {sum(x >= TARGET_RATIO for x in every)} of {len(every)} at or above "
-              f"{TARGET_RATIO}.",
-              f"- **Per run** (n = {p.per_run.n} runs, each counted once): {short(p.per_run)}"
-              f" ({target}: {'met' if p.meets_target(p.per_run) else 'not met'}).", ""]
+    lines += [
+        "",
+        f"- **Per seed** (n = {p.per_seed.n} pairs, runs treated as one population): {short(p.per_seed)}"
+        f" ({target}: {'met' if p.meets_target(p.per_seed) else 'not met'}); lowest {min(every):.2f}, "
+        f"highest {max(every):.2f}; {sum(x >= TARGET_RATIO for x in every)} of {len(every)} at or above "
+        f"{TARGET_RATIO}.",
+        f"- **Per run** (n = {p.per_run.n} runs, each counted once): {short(p.per_run)}"
+        f" ({target}: {'met' if p.meets_target(p.per_run) else 'not met'}).",
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.capacity.pooled", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.capacity.pooled",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("runs", nargs="+", type=Path, help="capacity.json files")
     ap.add_argument("--traffic", default="conv")
     ap.add_argument("--pool", type=int, default=256, help="KV pool size in tokens")
@@ -137,8 +161,10 @@ def main(argv=None) -> int:
     print(text)
     if args.out:  # a committed report names what made it; each run's own report.md holds its probes' loads
         command = " ".join(["python -m tools.capacity.pooled", *(argv if argv is not None else sys.argv[1:])])
-        args.out.write_text(f"Command: `{command}`. Derived from the runs below: their report.md files hold every "
-                            f"probe's commit, time and machine load.\n\n{text}")
+        args.out.write_text(
+            f"Command: `{command}`. Derived from the runs below: their report.md files hold every "
+            f"probe's commit, time and machine load.\n\n{text}"
+        )
     return 0
 
 

@@ -13,6 +13,7 @@ contention. Capacity itself is measured by tools.capacity with a server.
 
     python -m tools.capacity.prefix_reuse --kind conv-kv --rate-scale 0.1 --pool-tokens 8192
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,26 @@ from trtllm_backend.sampling import SamplingParams
 from trtllm_backend.scheduler import Scheduler
 
 # The pool's bookkeeping is what is measured: one tiny layer of K/V keeps its tensors small.
-_TINY = ModelConfig(hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
-                    rms_norm_eps=1e-5, rope_theta=1e4, vocab_size=49152, max_position_embeddings=8192,
-                    tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
+_TINY = ModelConfig(
+    hidden_size=8,
+    intermediate_size=8,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=1,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=0,
+)
 
 
-def prefilled(prompts: list[list[int]], outputs: list[list[int] | int], pool_tokens: int, block_size: int,
-              caching: bool) -> int:
+def prefilled(
+    prompts: list[list[int]], outputs: list[list[int] | int], pool_tokens: int, block_size: int, caching: bool
+) -> int:
     """Prompt tokens computed when each prompt is served in turn with its output (the tokens generated, or how many:
     then ids no prompt has), on one pool."""
     pool = KVPool(_TINY, block_size, torch.float32, huge_pages=False, prefix_caching=caching)
@@ -84,16 +98,22 @@ def main(argv: list[str] | None = None) -> None:
     print(kind.describe())
     print(shaping.describe())
     print(conv.describe())
-    print(f"{len(planned)} turns in {len({t.conversation for t in turns})} conversations; pool {args.pool_tokens} "
-          f"tokens, block {args.block_size}")
+    print(
+        f"{len(planned)} turns in {len({t.conversation for t in turns})} conversations; pool {args.pool_tokens} "
+        f"tokens, block {args.block_size}"
+    )
     open_prompts = [source.tok.encode(p.prompt) for p in planned]
     chat_prompts, answers = chat_tokens(turns, source)
-    for client, prompts, outputs in (("open", open_prompts, [p.output_tokens for p in planned]),
-                                     ("chat", chat_prompts, answers)):
+    for client, prompts, outputs in (
+        ("open", open_prompts, [p.output_tokens for p in planned]),
+        ("chat", chat_prompts, answers),
+    ):
         on = prefilled(prompts, outputs, args.pool_tokens, args.block_size, caching=True)
         off = prefilled(prompts, outputs, args.pool_tokens, args.block_size, caching=False)
-        print(f"{client}: prompt tokens {off} (median {sorted(map(len, prompts))[len(prompts) // 2]}), prefilled "
-              f"with reuse {on}: {1 - on / off:.1%} fewer")
+        print(
+            f"{client}: prompt tokens {off} (median {sorted(map(len, prompts))[len(prompts) // 2]}), prefilled "
+            f"with reuse {on}: {1 - on / off:.1%} fewer"
+        )
 
 
 def chat_tokens(turns, source) -> tuple[list[list[int]], list[list[int]]]:

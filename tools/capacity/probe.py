@@ -1,5 +1,6 @@
 """One probe: a traffic kind's requests for one seed, played at one rate scale against a running server, judged
 by the fixed SLOs. Returns the replay's raw result and the `probe` block the store keeps beside it."""
+
 from __future__ import annotations
 
 import os
@@ -21,15 +22,21 @@ SERVED_PATHS = ("trtllm_backend", "model_repository", "plugins", "tools/replay",
 
 def provenance() -> dict:
     """The commit, and which served paths differed from it when the probe ran (uncommitted work)."""
+
     def git(*args):  # NOTE: not stripped: porcelain lines start with a status column that may be a space
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", *SERVED_PATHS).splitlines()
-             if line.strip() and not line.endswith(".pyc")]
+
+    dirty = [
+        line[3:]
+        for line in git("status", "--porcelain", "--", *SERVED_PATHS).splitlines()
+        if line.strip() and not line.endswith(".pyc")
+    ]
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or "unknown", "dirty": dirty}
 
 
-def run_probe(traffic: Traffic, rate: float, seed: int, server, prompts: PromptSource, slos: Slos,
-              progress: bool) -> tuple[ReplayResult, dict]:
+def run_probe(
+    traffic: Traffic, rate: float, seed: int, server, prompts: PromptSource, slos: Slos, progress: bool
+) -> tuple[ReplayResult, dict]:
     planned, shaping = traffic.planned(rate, seed, prompts)
     drain = slos.drain_s(max(p.output_tokens for p in planned))
     started = datetime.now(timezone.utc)
@@ -37,8 +44,17 @@ def run_probe(traffic: Traffic, rate: float, seed: int, server, prompts: PromptS
     load0 = os.getloadavg()
     t = time.monotonic()
     # one unloaded request (after a warm-up) before the window: the machine's speed at this moment
-    res = replay(planned, "grpc", server.grpc_url, server.metrics_url, shaping.duration_s, drain, progress,
-                 probe_request(planned, prompts), 1)
+    res = replay(
+        planned,
+        "grpc",
+        server.grpc_url,
+        server.metrics_url,
+        shaping.duration_s,
+        drain,
+        progress,
+        probe_request(planned, prompts),
+        1,
+    )
     load1 = os.getloadavg()
     res.load_avg = (load0[0], load1[0])
     att = attainment(res.records, slos)

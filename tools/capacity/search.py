@@ -6,6 +6,7 @@ It brackets first (multiplying or dividing the start by `grow` until one rate pa
 bisects geometrically until hi / lo <= 1 + precision. The capacity is the highest rate that passed (`lo`);
 attainment is assumed to fall as the rate rises (each seed replays the same requests, only faster).
 """
+
 from __future__ import annotations
 
 import math
@@ -88,7 +89,13 @@ class Bisection:
             return "below min"
         if self.hi is None and self.lo is not None and self.lo >= self.max_rate:
             return "above max"
-        if self.lo is not None and self.hi is not None and (
-                self.hi / self.lo <= 1 + self.precision or round_rate(math.sqrt(self.lo * self.hi)) in (self.lo, self.hi)):
+        if (
+            self.lo is not None
+            and self.hi is not None
+            and (
+                self.hi / self.lo <= 1 + self.precision
+                or round_rate(math.sqrt(self.lo * self.hi)) in (self.lo, self.hi)
+            )
+        ):
             return "converged"
         return "out of probes"

@@ -7,6 +7,7 @@ TPOT 0.35 s: about 2x the engine's decode step at the largest batch the server r
 results/engine/bench_engine.json, fp32, quiet machine), so a full batch with its share of prefill chunks meets it and a
 server that spends most steps prefilling, or runs on a loaded machine past its compute, does not.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@
 The t quantile is computed here (exact CDF for integer degrees of freedom, inverted by bisection) rather than
 taken from a library the project does not otherwise depend on.
 """
+
 from __future__ import annotations
 
 import math

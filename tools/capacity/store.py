@@ -7,6 +7,7 @@ holding every request's record and the server's metrics over time (tools.replay.
 `probe` block: the key, the verdict, the SLOs, when, on which commit, at what machine load. A plan run skips
 a probe whose file exists (resumable); --force runs it again and overwrites it.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,15 @@ class ProbeKey:
 
     def path(self, root: Path) -> Path:
         again = f".r{self.repeat}" if self.repeat else ""
-        return (root / "raw" / self.traffic / f"pool{self.pool}" / slug(self.policy) / f"seed{self.seed}"
-                / f"x{self.rate:g}{again}.json")
+        return (
+            root
+            / "raw"
+            / self.traffic
+            / f"pool{self.pool}"
+            / slug(self.policy)
+            / f"seed{self.seed}"
+            / f"x{self.rate:g}{again}.json"
+        )
 
 
 def _replace_with(path: Path, data: dict) -> None:

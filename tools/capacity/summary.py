@@ -9,6 +9,7 @@ newest last, and its figures are the cell's `latest`.
 
     python -m tools.capacity.summary results/replay/capacity results/replay/capacity_pool256_* ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def newest_ratios(summary: dict) -> dict:
 def pooled_ratios(summary: dict) -> dict:
     """{(traffic, pool): {policy: Interval}}: the pooled per-run ratio, only where two or more runs measured
     the policy."""
-    return {(c["traffic"], c["pool_tokens"]): {p: interval_of(v["ratio_per_run"]) for p, v in c["pooled"].items()}
-            for c in summary["cells"]}
+    return {
+        (c["traffic"], c["pool_tokens"]): {p: interval_of(v["ratio_per_run"]) for p, v in c["pooled"].items()}
+        for c in summary["cells"]
+    }
 
 
 def summarize(folders: list[Path]) -> dict:
@@ -54,7 +57,9 @@ def summarize(folders: list[Path]) -> dict:
     for folder in folders:
         path = folder / "capacity.json"
         if not path.is_file():
-            raise ValueError(f"{folder}: no capacity.json (run `python -m tools.capacity --report-only --out {folder}`)")
+            raise ValueError(
+                f"{folder}: no capacity.json (run `python -m tools.capacity --report-only --out {folder}`)"
+            )
         runs.append((folder, path, json.loads(path.read_text())))
     slos = {json.dumps(data.get("slo"), sort_keys=True) for _, _, data in runs}
     if len(slos) > 1:
@@ -64,8 +69,15 @@ def summarize(folders: list[Path]) -> dict:
         for cell in data.get("cells", []):
             key = (cell["traffic"], cell["pool_tokens"])
             entry = cells.setdefault(key, {"traffic": key[0], "pool_tokens": key[1], "runs": []})
-            entry["runs"].append({"run": folder.name, "report": data.get("report"), "commits": data.get("commits", []),
-                                  "policies": cell["policies"], **({"overload": cell["overload"]} if "overload" in cell else {})})
+            entry["runs"].append(
+                {
+                    "run": folder.name,
+                    "report": data.get("report"),
+                    "commits": data.get("commits", []),
+                    "policies": cell["policies"],
+                    **({"overload": cell["overload"]} if "overload" in cell else {}),
+                }
+            )
     for (traffic, pool_tokens), entry in cells.items():
         entry["latest"] = entry["runs"][-1]["run"]
         policies = {p for r in entry["runs"] for p in r["policies"] if p != REFERENCE}
@@ -77,20 +89,24 @@ def summarize(folders: list[Path]) -> dict:
             p = pool(measured)
             entry["pooled"][policy] = {
                 "runs": [r.run for r in p.runs],
-                "ratio_per_run": p.per_run.as_dict(), "ratio_per_seed": p.per_seed.as_dict(),
+                "ratio_per_run": p.per_run.as_dict(),
+                "ratio_per_seed": p.per_seed.as_dict(),
                 "meets_target_per_run": p.meets_target(p.per_run),
-                "meets_target_per_seed": p.meets_target(p.per_seed)}
-    return {"slo": json.loads(next(iter(slos))) if slos else None,
-            "target": {"ratio_mean": TARGET_RATIO, "ratio_ci95_low": TARGET_RATIO_LO},
-            "how_to_read": "Per cell (traffic kind, KV pool tokens): each run's figures as its own capacity.json holds "
-                           "them (capacity as rate scale and req/s, ratio to full with its 95% interval, quality "
-                           "loss, per seed; `overload`, where measured: each policy against full at a multiple of full's "
-                           "capacity, keyed by the multiple); `pooled`, where two or more runs measured a policy against full: the "
-                           "ratio with each run counted once (per_run: quote this one) and with every (run, seed) "
-                           "pair pooled (per_seed). Only ratios within a run compare: full's own capacity moves "
-                           "with the machine's speed. Each run's `report` holds every probe's commit, time and "
-                           "machine load.",
-            "cells": sorted(cells.values(), key=lambda c: (c["traffic"], c["pool_tokens"]))}
+                "meets_target_per_seed": p.meets_target(p.per_seed),
+            }
+    return {
+        "slo": json.loads(next(iter(slos))) if slos else None,
+        "target": {"ratio_mean": TARGET_RATIO, "ratio_ci95_low": TARGET_RATIO_LO},
+        "how_to_read": "Per cell (traffic kind, KV pool tokens): each run's figures as its own capacity.json holds "
+        "them (capacity as rate scale and req/s, ratio to full with its 95% interval, quality "
+        "loss, per seed; `overload`, where measured: each policy against full at a multiple of full's "
+        "capacity, keyed by the multiple); `pooled`, where two or more runs measured a policy against full: the "
+        "ratio with each run counted once (per_run: quote this one) and with every (run, seed) "
+        "pair pooled (per_seed). Only ratios within a run compare: full's own capacity moves "
+        "with the machine's speed. Each run's `report` holds every probe's commit, time and "
+        "machine load.",
+        "cells": sorted(cells.values(), key=lambda c: (c["traffic"], c["pool_tokens"])),
+    }
 
 
 def mapped(ratios: dict) -> dict:
@@ -102,18 +118,30 @@ def mapped(ratios: dict) -> dict:
         for policy in cell:
             pools_of[(traffic, policy)] = pools_of.get((traffic, policy), 0) + 1
     lined = {t for (t, _), n in pools_of.items() if n >= 2}
-    kept = {k: {p: iv for p, iv in cell.items() if pools_of[(k[0], p)] >= 2 or k[0] not in lined}
-            for k, cell in ratios.items() if k[0] in lined or not Traffic.is_variant(k[0])}
+    kept = {
+        k: {p: iv for p, iv in cell.items() if pools_of[(k[0], p)] >= 2 or k[0] not in lined}
+        for k, cell in ratios.items()
+        if k[0] in lined or not Traffic.is_variant(k[0])
+    }
     return {k: cell for k, cell in kept.items() if cell}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.capacity.summary", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="capacity run folders (each with its capacity.json), oldest first")
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.capacity.summary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "runs", nargs="+", type=Path, help="capacity run folders (each with its capacity.json), oldest first"
+    )
     ap.add_argument("--json", type=Path, default=Path(SUMMARY_JSON))
-    ap.add_argument("--plot", type=Path, default=Path(SUMMARY_PLOT),
-                    help="the regime map: each cell's newest run, and the pooled ratio where runs were pooled")
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=Path(SUMMARY_PLOT),
+        help="the regime map: each cell's newest run, and the pooled ratio where runs were pooled",
+    )
     args = ap.parse_args(argv)
     try:
         summary = summarize(args.runs)
@@ -123,10 +151,14 @@ def main(argv=None) -> int:
     command = " ".join(["python -m tools.capacity.summary", *(argv if argv is not None else sys.argv[1:])])
     args.json.write_text(json.dumps({"command": command, **summary}, indent=1) + "\n")
     for c in summary["cells"]:
-        pooled = "; ".join(f"{p} per run {v['ratio_per_run']['mean']:.2f}x (n={v['ratio_per_run']['n']})"
-                           for p, v in c["pooled"].items())
-        print(f"[summary] {c['traffic']} pool {c['pool_tokens']}: {len(c['runs'])} run(s), latest {c['latest']}"
-              + (f"; pooled: {pooled}" if pooled else ""))
+        pooled = "; ".join(
+            f"{p} per run {v['ratio_per_run']['mean']:.2f}x (n={v['ratio_per_run']['n']})"
+            for p, v in c["pooled"].items()
+        )
+        print(
+            f"[summary] {c['traffic']} pool {c['pool_tokens']}: {len(c['runs'])} run(s), latest {c['latest']}"
+            + (f"; pooled: {pooled}" if pooled else "")
+        )
     from types import SimpleNamespace
 
     from tools.capacity.plots import regime_map  # matplotlib only here
@@ -137,8 +169,9 @@ def main(argv=None) -> int:
     # The newest run of each cell is the current code's reading; the pooled one (hollow) shows how much the
     # cell moved across the commits its runs measured.
     newest, pooled = mapped(newest_ratios(summary)), mapped(pooled_ratios(summary))
-    regime_map(args.plot, as_analysis(newest), sorted({p for v in newest.values() for p in v}),
-               pooled=as_analysis(pooled))
+    regime_map(
+        args.plot, as_analysis(newest), sorted({p for v in newest.values() for p in v}), pooled=as_analysis(pooled)
+    )
     print(f"[summary] wrote {args.json} and {args.plot}")
     return 0
 

@@ -5,6 +5,7 @@ The search variable is the *rate scale* x: the arrival rate as a multiple of the
 window once (keep each request with probability `thin`, seeded) and plays it `x / thin` times faster, so every
 probe of one seed replays the same requests (at least `min_requests`) and only their spacing changes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -46,15 +47,26 @@ class Traffic:
     def shaping(self, rate_scale: float, seed: int) -> Shaping:
         if rate_scale <= 0:
             raise ValueError(f"rate scale must be > 0, got {rate_scale}")
-        return Shaping(self.window_start_s, self.window_s, self.thin, rate_scale / self.thin, self.prompt_scale,
-                       self.output_scale, self.prompt_clip, self.output_clip, seed)
+        return Shaping(
+            self.window_start_s,
+            self.window_s,
+            self.thin,
+            rate_scale / self.thin,
+            self.prompt_scale,
+            self.output_scale,
+            self.prompt_clip,
+            self.output_clip,
+            seed,
+        )
 
     def requests(self, rate_scale: float, seed: int) -> tuple[list[TraceRequest], Shaping]:
         shaping = self.shaping(rate_scale, seed)
         reqs = shaping.apply(_trace(self.trace))
         if len(reqs) < self.min_requests:
-            raise ValueError(f"traffic {self.name!r} seed {seed}: {len(reqs)} requests, fewer than "
-                             f"{self.min_requests}; raise `thin` or the window")
+            raise ValueError(
+                f"traffic {self.name!r} seed {seed}: {len(reqs)} requests, fewer than "
+                f"{self.min_requests}; raise `thin` or the window"
+            )
         return reqs, shaping
 
     def planned(self, rate_scale: float, seed: int, prompts) -> tuple[list[Planned], Shaping]:
@@ -67,8 +79,10 @@ class Traffic:
         out = plan_turns(self.conversations.turns(reqs, seed), prompts)
         big = max(p.prompt_tokens + p.output_tokens for p in out)
         if big > self.max_tokens():
-            raise ValueError(f"traffic {self.name!r} seed {seed}: a turn holds {big} tokens, more than the "
-                             f"{self.max_tokens()} its pools are checked against; raise CHAT_SLACK")
+            raise ValueError(
+                f"traffic {self.name!r} seed {seed}: a turn holds {big} tokens, more than the "
+                f"{self.max_tokens()} its pools are checked against; raise CHAT_SLACK"
+            )
         return out, shaping
 
     def max_tokens(self) -> int:
@@ -90,11 +104,13 @@ class Traffic:
 
     def describe(self) -> str:
         chat = "" if self.conversations is None else f"; {self.conversations.describe()}"
-        return (f"{self.name}: {self.what}; at least {self.min_requests} requests per probe; {self.trace} window [{self.window_start_s:g} s, "
-                f"{self.window_start_s + self.window_s:g} s), thinned x{self.thin:g} (seeded), played x(rate scale / "
-                f"{self.thin:g}) faster; prompt tokens x{self.prompt_scale:g} clipped to {self.prompt_clip[0]}:"
-                f"{self.prompt_clip[1]}, output tokens x{self.output_scale:g} clipped to {self.output_clip[0]}:"
-                f"{self.output_clip[1]}{chat}")
+        return (
+            f"{self.name}: {self.what}; at least {self.min_requests} requests per probe; {self.trace} window [{self.window_start_s:g} s, "
+            f"{self.window_start_s + self.window_s:g} s), thinned x{self.thin:g} (seeded), played x(rate scale / "
+            f"{self.thin:g}) faster; prompt tokens x{self.prompt_scale:g} clipped to {self.prompt_clip[0]}:"
+            f"{self.prompt_clip[1]}, output tokens x{self.output_scale:g} clipped to {self.output_clip[0]}:"
+            f"{self.output_clip[1]}{chat}"
+        )
 
 
 _TRACE_CACHE: dict[str, list[TraceRequest]] = {}
@@ -119,20 +135,58 @@ def _trace(path: str) -> list[TraceRequest]:
 # minute, peak at minutes 26-36): the load a dynamic policy is meant for, where a static one pays its quality
 # loss on every token and the dynamic one only while the peak lasts (docs/capacity.md, "over an hour").
 KINDS = {
-    "conv-kv": Traffic("conv-kv", f"{TRACES}/azure_llm_conv_2023.csv",
-                       "Azure 2023 conversation trace, decode-heavy, requests holding real KV",
-                       window_start_s=600.0, window_s=600.0, thin=0.075, prompt_scale=0.1, prompt_clip=(16, 256),
-                       output_scale=0.55, output_clip=(8, 384), start_rate_scale=0.1),
-    "conv-kv-hour": Traffic("conv-kv-hour", f"{TRACES}/azure_llm_conv_2023.csv",
-                            "Azure 2023 conversation trace, the whole hour with its own rate swings, requests holding "
-                            "real KV", window_start_s=0.0, window_s=3510.0, thin=0.02, prompt_scale=0.1,
-                            prompt_clip=(16, 256), output_scale=0.55, output_clip=(8, 384), start_rate_scale=0.08),
-    "conv": Traffic("conv", f"{TRACES}/azure_llm_conv_2023.csv", "Azure 2023 conversation trace, decode-heavy",
-                    window_start_s=600.0, window_s=600.0, thin=0.075, prompt_scale=0.03, prompt_clip=(8, 128),
-                    output_scale=0.125, output_clip=(4, 112), start_rate_scale=0.3),
-    "code": Traffic("code", f"{TRACES}/azure_llm_code_2023.csv", "Azure 2023 code trace, prefill-heavy and bursty",
-                    window_start_s=2160.0, window_s=150.0, thin=0.33, prompt_scale=0.05, prompt_clip=(16, 128),
-                    output_scale=1.0, output_clip=(4, 64), start_rate_scale=0.5),
+    "conv-kv": Traffic(
+        "conv-kv",
+        f"{TRACES}/azure_llm_conv_2023.csv",
+        "Azure 2023 conversation trace, decode-heavy, requests holding real KV",
+        window_start_s=600.0,
+        window_s=600.0,
+        thin=0.075,
+        prompt_scale=0.1,
+        prompt_clip=(16, 256),
+        output_scale=0.55,
+        output_clip=(8, 384),
+        start_rate_scale=0.1,
+    ),
+    "conv-kv-hour": Traffic(
+        "conv-kv-hour",
+        f"{TRACES}/azure_llm_conv_2023.csv",
+        "Azure 2023 conversation trace, the whole hour with its own rate swings, requests holding real KV",
+        window_start_s=0.0,
+        window_s=3510.0,
+        thin=0.02,
+        prompt_scale=0.1,
+        prompt_clip=(16, 256),
+        output_scale=0.55,
+        output_clip=(8, 384),
+        start_rate_scale=0.08,
+    ),
+    "conv": Traffic(
+        "conv",
+        f"{TRACES}/azure_llm_conv_2023.csv",
+        "Azure 2023 conversation trace, decode-heavy",
+        window_start_s=600.0,
+        window_s=600.0,
+        thin=0.075,
+        prompt_scale=0.03,
+        prompt_clip=(8, 128),
+        output_scale=0.125,
+        output_clip=(4, 112),
+        start_rate_scale=0.3,
+    ),
+    "code": Traffic(
+        "code",
+        f"{TRACES}/azure_llm_code_2023.csv",
+        "Azure 2023 code trace, prefill-heavy and bursty",
+        window_start_s=2160.0,
+        window_s=150.0,
+        thin=0.33,
+        prompt_scale=0.05,
+        prompt_clip=(16, 128),
+        output_scale=1.0,
+        output_clip=(4, 64),
+        start_rate_scale=0.5,
+    ),
 }
 
 # `chat-kv` is conv-kv's requests dealt into conversations (tools/capacity/conversations.py): a request starts one
@@ -142,11 +196,19 @@ KINDS = {
 # conversations priority 0 (interactive) and the rest 5 (batch); its probes pass on all requests' attainment, as
 # every kind's, with each class's beside it in the report.
 CHAT = Conversations(mean_turns=4.0, max_context_tokens=1024)
-KINDS["chat-kv"] = replace(KINDS["conv-kv"], name="chat-kv", start_rate_scale=0.05, conversations=CHAT,
-                           what="conv-kv's requests as the turns of multi-turn chats, each resending its history")
-KINDS["chat-kv-mixed"] = replace(KINDS["chat-kv"], name="chat-kv-mixed",
-                                 conversations=replace(CHAT, interactive_share=0.2),
-                                 what="chat-kv with 20% of the conversations interactive, the rest batch")
+KINDS["chat-kv"] = replace(
+    KINDS["conv-kv"],
+    name="chat-kv",
+    start_rate_scale=0.05,
+    conversations=CHAT,
+    what="conv-kv's requests as the turns of multi-turn chats, each resending its history",
+)
+KINDS["chat-kv-mixed"] = replace(
+    KINDS["chat-kv"],
+    name="chat-kv-mixed",
+    conversations=replace(CHAT, interactive_share=0.2),
+    what="chat-kv with 20% of the conversations interactive, the rest batch",
+)
 
 
 def kinds(names: str) -> list[Traffic]:

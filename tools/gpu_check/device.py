@@ -1,4 +1,5 @@
 """The device under test: its name, its memory bandwidth (the floor's denominator), its peak memory, clean-up."""
+
 from __future__ import annotations
 
 import gc
@@ -11,8 +12,10 @@ import torch
 
 def require(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("[gpu_check] no CUDA device here (torch.cuda.is_available() is False); "
-                         "on a CPU run it as: python -m tools.gpu_check --device cpu --shapes tiny --out DIR")
+        raise SystemExit(
+            "[gpu_check] no CUDA device here (torch.cuda.is_available() is False); "
+            "on a CPU run it as: python -m tools.gpu_check --device cpu --shapes tiny --out DIR"
+        )
     if device not in ("cpu", "cuda"):
         raise SystemExit(f"[gpu_check] --device must be cpu or cuda, got {device!r}")
 
@@ -21,8 +24,13 @@ def describe(device: str) -> dict:
     out = {"device": device, "torch": torch.__version__, "python": platform.python_version()}
     if device == "cuda":
         p = torch.cuda.get_device_properties(0)
-        out.update(name=torch.cuda.get_device_name(0), memory_bytes=p.total_memory, cuda=torch.version.cuda,
-                   capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count)
+        out.update(
+            name=torch.cuda.get_device_name(0),
+            memory_bytes=p.total_memory,
+            cuda=torch.version.cuda,
+            capability=f"{p.major}.{p.minor}",
+            multiprocessors=p.multi_processor_count,
+        )
     else:
         name = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), None)
         out.update(name=name or platform.processor() or "unknown CPU", threads=torch.get_num_threads())
@@ -58,9 +66,14 @@ def copy_bandwidth(device: str, nbytes: int, reps: int = 9) -> dict:
     del src, dst
     release(device)
     med = statistics.median(times)
-    return {"bytes": nbytes, "reps": reps, "median_s": med, "bytes_per_s": 2 * nbytes / med,
-            "GBps": round(2 * nbytes / med / 1e9, 1),
-            "method": "dst.copy_(src) on the device; bytes read + bytes written over the median time"}
+    return {
+        "bytes": nbytes,
+        "reps": reps,
+        "median_s": med,
+        "bytes_per_s": 2 * nbytes / med,
+        "GBps": round(2 * nbytes / med / 1e9, 1),
+        "method": "dst.copy_(src) on the device; bytes read + bytes written over the median time",
+    }
 
 
 def reset_peak(device: str) -> None:

@@ -1,5 +1,6 @@
 """What every section does with an engine: build it on the device, see where its tensors live, count what a decode
 step reads, collect its outputs, and let it go."""
+
 from __future__ import annotations
 
 import time
@@ -30,6 +31,7 @@ def close(engine: LLMEngine, device: str) -> None:
 def placement(engine: LLMEngine) -> dict:
     """The devices the engine's tensors are on, by part, with how many tensors each: on a CUDA engine everything
     should be on cuda."""
+
     def where(tensors) -> dict:
         return dict(Counter(t.device.type for t in tensors))
 
@@ -41,9 +43,13 @@ def placement(engine: LLMEngine) -> dict:
             layers += op.resident_tensors() if hasattr(op, "resident_tensors") else [getattr(op, "weight")]
     head = engine.model.head
     tables = [t for t in (head.table, head.untied) if t is not None]
-    return {"layers": where(layers), "embedding_and_head": where(getattr(t, "weight", t) for t in tables),
-            "final_norm": where([engine.model.norm]), "rope_tables": where([engine.model.cos, engine.model.sin]),
-            "kv_cache": where(seg.kv for seg in engine.pool.segments)}
+    return {
+        "layers": where(layers),
+        "embedding_and_head": where(getattr(t, "weight", t) for t in tables),
+        "final_norm": where([engine.model.norm]),
+        "rope_tables": where([engine.model.cos, engine.model.sin]),
+        "kv_cache": where(seg.kv for seg in engine.pool.segments),
+    }
 
 
 def placement_ok(found: dict, device: str) -> bool:
@@ -74,6 +80,7 @@ class Outputs:
                 self.final[rid] = out
                 if on_finish is not None:
                     on_finish(out)
+
         return on_output
 
     def errors(self) -> dict[str, str]:

@@ -4,6 +4,7 @@ It shares no code with the engine's runtime (no slots, no paged KV, no kernels):
 causal attention, and greedy runs that keep each layer's K/V in plain tensors. A layer's INT4 fragment runs as its dequantized weights (the grid times the stored
 scales and zeros, its norms as stored), which is what an exact INT4 kernel computes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,16 @@ def _layer(manifest: Manifest, index: int, precision: str) -> dict[str, torch.Te
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     wq, wk, wv = dequantize_int4(t, "qkv.").split([q, kv, kv])
     gate, up = dequantize_int4(t, "gate_up.").chunk(2)
-    return {**norms, "q_proj": wq, "k_proj": wk, "v_proj": wv, "o_proj": dequantize_int4(t, "o."),
-            "gate_proj": gate, "up_proj": up, "down_proj": dequantize_int4(t, "down.")}
+    return {
+        **norms,
+        "q_proj": wq,
+        "k_proj": wk,
+        "v_proj": wv,
+        "o_proj": dequantize_int4(t, "o."),
+        "gate_proj": gate,
+        "up_proj": up,
+        "down_proj": dequantize_int4(t, "down."),
+    }
 
 
 class Reference:

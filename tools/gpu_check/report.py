@@ -5,6 +5,7 @@ the message and traceback are kept and the next section runs), or is skipped: wh
 needs, or when a section it needs did not succeed. A lease that ends mid-run still leaves the JSON of every section
 finished before.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,9 @@ class Run:
     def log(self, text: str) -> None:
         print(f"[gpu_check +{self.elapsed():6.1f}s] {text}", flush=True)
 
-    def section(self, name: str, fn, need_s: float, needs: tuple[str, ...] = (), not_after: tuple[str, ...] = ()) -> dict:
+    def section(
+        self, name: str, fn, need_s: float, needs: tuple[str, ...] = (), not_after: tuple[str, ...] = ()
+    ) -> dict:
         """Run `fn()` (a dict, with "ok": bool where the section checks something) as section `name` unless fewer
         than `need_s` seconds are left, a section in `needs` did not succeed, or one in `not_after` raised; returns
         what was recorded."""
@@ -48,8 +51,10 @@ class Run:
         if missing:
             return self._record(name, {"status": "skipped", "reason": f"needs {', '.join(missing)}"})
         if self.left() < need_s:
-            return self._record(name, {"status": "skipped",
-                                       "reason": f"budget: {self.left():.0f} s left, it needs about {need_s:.0f} s"})
+            return self._record(
+                name,
+                {"status": "skipped", "reason": f"budget: {self.left():.0f} s left, it needs about {need_s:.0f} s"},
+            )
         self.log(f"{name} ...")
         t = time.monotonic()
         try:
@@ -64,8 +69,11 @@ class Run:
     def _record(self, name: str, result: dict) -> dict:
         self.data["sections"][name] = result
         extra = result.get("error") or result.get("reason") or ""
-        self.log(f"{name}: {result['status']}" + (f" ({extra})" if extra else "")
-                 + (f" in {result['seconds']} s" if "seconds" in result else ""))
+        self.log(
+            f"{name}: {result['status']}"
+            + (f" ({extra})" if extra else "")
+            + (f" in {result['seconds']} s" if "seconds" in result else "")
+        )
         self.write()
         return result
 

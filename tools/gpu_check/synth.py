@@ -5,6 +5,7 @@ device; each layer's INT4 fragment is the same weights (drawn again from the sam
 per group (engines.quantize_awq.int4_fragment with unit AWQ scales: no calibration), on the device too. The
 tokenizer is a word-level one: token i is the word `w<i>`, so a prompt of n words is n tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,10 +42,15 @@ def prompt(ids: list[int]) -> str:
 def _shape_of(shape: Shape, name: str) -> tuple[int, ...]:
     c = shape.config
     q, kv, hid, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
-    return {"self_attn.q_proj.weight": (q, hid), "self_attn.k_proj.weight": (kv, hid),
-            "self_attn.v_proj.weight": (kv, hid), "self_attn.o_proj.weight": (hid, q),
-            "mlp.gate_proj.weight": (inter, hid), "mlp.up_proj.weight": (inter, hid),
-            "mlp.down_proj.weight": (hid, inter)}.get(name, (hid,))
+    return {
+        "self_attn.q_proj.weight": (q, hid),
+        "self_attn.k_proj.weight": (kv, hid),
+        "self_attn.v_proj.weight": (kv, hid),
+        "self_attn.o_proj.weight": (hid, q),
+        "mlp.gate_proj.weight": (inter, hid),
+        "mlp.up_proj.weight": (inter, hid),
+        "mlp.down_proj.weight": (hid, inter),
+    }.get(name, (hid,))
 
 
 def layer_tensors(shape: Shape, index: int, device: str, seed: int) -> dict[str, torch.Tensor]:
@@ -61,7 +67,9 @@ def layer_tensors(shape: Shape, index: int, device: str, seed: int) -> dict[str,
 def shared_tensors(shape: Shape, device: str, seed: int) -> dict[str, torch.Tensor]:
     c = shape.config
     g = torch.Generator(device=device).manual_seed(seed * 100_003 - 1)
-    table = lambda: torch.randn(c.vocab_size, c.hidden_size, generator=g, device=device) * (LOGIT_STD / math.sqrt(c.hidden_size))
+    table = lambda: (
+        torch.randn(c.vocab_size, c.hidden_size, generator=g, device=device) * (LOGIT_STD / math.sqrt(c.hidden_size))
+    )
     out = {"model.embed_tokens.weight": table(), "model.norm.weight": torch.ones(c.hidden_size, device=device)}
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = table()
@@ -73,14 +81,19 @@ def _to_file(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
 
 
 def write_int4(out: Path, shape: Shape, device: str, seed: int) -> list[dict]:
-    unit = {name: torch.ones(shape.config.intermediate_size if name == "down" else shape.config.hidden_size,
-                             device=device) for name, _, _ in GROUPS}
+    unit = {
+        name: torch.ones(shape.config.intermediate_size if name == "down" else shape.config.hidden_size, device=device)
+        for name, _, _ in GROUPS
+    }
     entries = []
     for i in range(shape.config.num_layers):
         tensors = int4_fragment(layer_tensors(shape, i, device, seed), unit, shape.group_size)
         path = out / layer_file(i, Precision.INT4)
-        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, path,
-                  metadata={"format": "pt", "layer": str(i), "precision": Precision.INT4})
+        save_file(
+            {k: v.cpu().contiguous() for k, v in tensors.items()},
+            path,
+            metadata={"format": "pt", "layer": str(i), "precision": Precision.INT4},
+        )
         entries.append(file_entry(path, group_size=shape.group_size, method="rtn", format="safetensors"))
     return entries
 
@@ -89,10 +102,15 @@ def build_set(out: Path, shape: Shape, device: str, seed: int = 0) -> dict:
     """Write the set into `out` (full and INT4 fragments of every layer); returns what it took."""
     t0 = time.perf_counter()
     dtype = shape.file_dtype
-    ckpt = Checkpoint(name=f"random-{shape.name}", config=shape.config, tokenizer=tokenizer(shape.config.vocab_size),
-                      chat_template=None, shared=lambda: _to_file(shared_tensors(shape, device, seed), dtype),
-                      layer=lambda i: _to_file(layer_tensors(shape, i, device, seed), dtype),
-                      source={"format": "random", "seed": seed, "generated_on": device})
+    ckpt = Checkpoint(
+        name=f"random-{shape.name}",
+        config=shape.config,
+        tokenizer=tokenizer(shape.config.vocab_size),
+        chat_template=None,
+        shared=lambda: _to_file(shared_tensors(shape, device, seed), dtype),
+        layer=lambda i: _to_file(layer_tensors(shape, i, device, seed), dtype),
+        source={"format": "random", "seed": seed, "generated_on": device},
+    )
     build(ckpt, out, ckpt.name)
     t1 = time.perf_counter()
     int4 = write_int4(out, shape, device, seed)
@@ -104,5 +122,10 @@ def build_set(out: Path, shape: Shape, device: str, seed: int = 0) -> dict:
         layer["fragments"][Precision.INT4] = entry
     write_manifest(out, data)
     files = [p for p in out.iterdir() if p.is_file()]
-    return {"dir": str(out), "full_s": round(t1 - t0, 2), "int4_s": round(time.perf_counter() - t1, 2),
-            "bytes_written": sum(p.stat().st_size for p in files), "files": len(files)}
+    return {
+        "dir": str(out),
+        "full_s": round(t1 - t0, 2),
+        "int4_s": round(time.perf_counter() - t1, 2),
+        "bytes_written": sum(p.stat().st_size for p in files),
+        "files": len(files),
+    }

@@ -11,6 +11,7 @@ of 64), for one build of the C++ kernels: what a change to plugins/csrc/paged_at
 - `--dump FILE`: the outputs of 40 cases (1-9 query heads per KV head, head_dim 6-136, fp32 and fp16 pools, 1-513
   positions, 1 and 2 threads) saved as safetensors, to compare two builds bit for bit (`--compare A B`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,9 @@ def _median_s(fn, reps: int, inner: int = 1) -> float:
 def from_memory(ns) -> None:
     from trtllm_backend import huge_pages
 
-    print(f"[attention] from memory: {LAYERS} layers' K/V, one row, {KVH * GROUP} query heads over {KVH} KV heads of {D}")
+    print(
+        f"[attention] from memory: {LAYERS} layers' K/V, one row, {KVH * GROUP} query heads over {KVH} KV heads of {D}"
+    )
     for dtype in (torch.float32, torch.float16):
         for n in (512, 2048):
             small = torch.randn(LAYERS, 2, n + 16, KVH, D).to(dtype)
@@ -57,12 +60,24 @@ def from_memory(ns) -> None:
                 best = {pages: float("inf") for pages in pools}
                 for _ in range(2):
                     for pages, kv in pools.items():
-                        best[pages] = min(best[pages], _median_s(
-                            lambda: [ns.paged_decode_attention(q, kv, seg_of, slot_of, lens, layer, D**-0.5)
-                                     for layer in range(LAYERS)], 15))
-                print(f"[attention] {str(dtype):>13} {n:5} positions, {threads} thread(s): " + ", ".join(
-                    f"{pages} pages {t * 1e6 / LAYERS:6.1f} us a layer {read / t / 1e9:5.1f} GB/s"
-                    for pages, t in best.items()), flush=True)
+                        best[pages] = min(
+                            best[pages],
+                            _median_s(
+                                lambda: [
+                                    ns.paged_decode_attention(q, kv, seg_of, slot_of, lens, layer, D**-0.5)
+                                    for layer in range(LAYERS)
+                                ],
+                                15,
+                            ),
+                        )
+                print(
+                    f"[attention] {str(dtype):>13} {n:5} positions, {threads} thread(s): "
+                    + ", ".join(
+                        f"{pages} pages {t * 1e6 / LAYERS:6.1f} us a layer {read / t / 1e9:5.1f} GB/s"
+                        for pages, t in best.items()
+                    ),
+                    flush=True,
+                )
 
 
 def in_cache(ns) -> None:
@@ -75,16 +90,28 @@ def in_cache(ns) -> None:
         per_call[n] = _median_s(lambda: ns.paged_decode_attention(q, kv, seg_of, slot_of, lens, 0, D**-0.5), 9, 200)
     for n in (256, 1024):
         ns_task = (per_call[n] - per_call[1]) / (n * KVH) * 1e9
-        print(f"[attention] in cache, one thread, fp32, {n} positions ({n * KVH * D * 8 // 1024} KB): {ns_task:.1f} ns "
-              f"per (position, KV head) beyond a one-position call ({per_call[1] * 1e6:.1f} us)")
+        print(
+            f"[attention] in cache, one thread, fp32, {n} positions ({n * KVH * D * 8 // 1024} KB): {ns_task:.1f} ns "
+            f"per (position, KV head) beyond a one-position call ({per_call[1] * 1e6:.1f} us)"
+        )
 
 
 def dump(ns, path: str) -> None:
     out = {}
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.float16):
-        for kvh, group, d in [(3, 3, 64), (2, 3, 136), (1, 1, 64), (2, 2, 64), (1, 4, 64), (1, 5, 64), (1, 6, 72),
-                              (1, 9, 64), (1, 8, 64), (2, 2, 6)]:
+        for kvh, group, d in [
+            (3, 3, 64),
+            (2, 3, 136),
+            (1, 1, 64),
+            (2, 2, 64),
+            (1, 4, 64),
+            (1, 5, 64),
+            (1, 6, 72),
+            (1, 9, 64),
+            (1, 8, 64),
+            (2, 2, 6),
+        ]:
             slots, lens = 600, [1, 2, 3, 5, 9, 37, 513]
             kv = [torch.randn(2, 2, slots, kvh, d, generator=g).to(dtype) for _ in range(2)]
             B, H, L = len(lens), kvh * group, max(lens)
@@ -93,7 +120,8 @@ def dump(ns, path: str) -> None:
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 out[f"{dtype} kvh={kvh} group={group} d={d} threads={threads}"] = ns.paged_decode_attention(
-                    q, kv, seg_of, slot_of, torch.tensor(lens), 1, d**-0.5)
+                    q, kv, seg_of, slot_of, torch.tensor(lens), 1, d**-0.5
+                )
     save_file({k: v.contiguous() for k, v in out.items()}, path)
     print(f"[attention] {len(out)} cases' outputs in {path}")
 

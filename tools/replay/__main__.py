@@ -11,6 +11,7 @@ samples the server's metrics for the timeline. At the end of the window it stops
 --drain-s for requests in flight, cancels the rest (counted as unfinished) and prints the vLLM-style summary.
 See docs/replay.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ from tools.replay.workload import add_workload_args, build_workload, plan, probe
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.replay", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--url", default="localhost:8001", help="gRPC (or, with --protocol http, HTTP) host:port")
     ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     ap.add_argument("--metrics-url", default="http://localhost:8002/metrics", help="'' to skip the timeline")
@@ -47,13 +49,27 @@ def main(argv=None) -> int:
     print(f"[replay] {described}", flush=True)
     prompts = PromptSource(load_tokenizer(args.fragment_dir), args.corpus)
     planned = plan(reqs, prompts)
-    result = replay(planned, args.protocol, args.url, args.metrics_url or None, window_s, args.drain_s,
-                    not args.no_progress, probe_request(planned, prompts), args.probes, args.model)
-    slo = rm.Slo(args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else rm.default_ttft_slo(result.unloaded_ttft_s, args.slo_multiple),
-                 args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None)
+    result = replay(
+        planned,
+        args.protocol,
+        args.url,
+        args.metrics_url or None,
+        window_s,
+        args.drain_s,
+        not args.no_progress,
+        probe_request(planned, prompts),
+        args.probes,
+        args.model,
+    )
+    slo = rm.Slo(
+        args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else rm.default_ttft_slo(result.unloaded_ttft_s, args.slo_multiple),
+        args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None,
+    )
     summary = rm.summarize(result.records, slo)
     print(format_summary(summary, result.unloaded_ttft_s))
-    print(f"[replay] client send lag max {result.max_send_lag_s * 1e3:.0f} ms; metrics scrapes missed {result.metrics_errors}")
+    print(
+        f"[replay] client send lag max {result.max_send_lag_s * 1e3:.0f} ms; metrics scrapes missed {result.metrics_errors}"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"workload": described, "summary": summary.as_dict(), **result.to_json()}))

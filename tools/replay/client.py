@@ -4,6 +4,7 @@ Each request records when it was due, sent, got its first token and every later 
 status and the INT4-layer count the server reports for every token. Times are seconds on the run's own
 clock (`time.perf_counter() - t0`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,8 +81,10 @@ class GrpcTarget:
         self._grpc = grpcclient
         # NOTE: a local subchannel pool per client gives each its own connection (a shared one would cap us
         # at the server's concurrent-stream limit).
-        self.clients = [grpcclient.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
-                        for _ in range(channels)]
+        self.clients = [
+            grpcclient.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(channels)
+        ]
         self.model = model
         self._next = 0
 
@@ -93,9 +96,13 @@ class GrpcTarget:
             t.set_data_from_numpy(np.array([[value]], dtype=object if dtype == "BYTES" else None))
             return t
 
-        inputs = [tensor("text_input", p.prompt.encode(), "BYTES"), tensor("max_tokens", np.int32(p.output_tokens), "INT32"),
-                  tensor("min_length", np.int32(p.output_tokens), "INT32"), tensor("stream", True, "BOOL"),
-                  tensor("exclude_input_in_output", True, "BOOL")]
+        inputs = [
+            tensor("text_input", p.prompt.encode(), "BYTES"),
+            tensor("max_tokens", np.int32(p.output_tokens), "INT32"),
+            tensor("min_length", np.int32(p.output_tokens), "INT32"),
+            tensor("stream", True, "BOOL"),
+            tensor("exclude_input_in_output", True, "BOOL"),
+        ]
         if p.priority:
             inputs.append(tensor("priority", np.int32(p.priority), "INT32"))
         return inputs
@@ -106,8 +113,12 @@ class GrpcTarget:
         done = asyncio.Event()
 
         async def requests():
-            yield {"model_name": self.model, "inputs": self._inputs(p), "request_id": str(p.index),
-                   "parameters": {"triton_enable_empty_final_response": True}}
+            yield {
+                "model_name": self.model,
+                "inputs": self._inputs(p),
+                "request_id": str(p.index),
+                "parameters": {"triton_enable_empty_final_response": True},
+            }
             await done.wait()  # keep our side open until the final response
 
         rec.send_s = clock.now()
@@ -144,12 +155,18 @@ class HttpSseTarget:
 
         self._aiohttp = aiohttp
         self.url = f"http://{url}/v2/models/{model}/generate_stream"
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                             connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
 
     async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
-        body = {"text_input": p.prompt, "max_tokens": p.output_tokens, "min_length": p.output_tokens,
-                "stream": True, "exclude_input_in_output": True} | ({"priority": p.priority} if p.priority else {})
+        body = {
+            "text_input": p.prompt,
+            "max_tokens": p.output_tokens,
+            "min_length": p.output_tokens,
+            "stream": True,
+            "exclude_input_in_output": True,
+        } | ({"priority": p.priority} if p.priority else {})
         rec.send_s = clock.now()
         try:
             async with self.session.post(self.url, json=body) as resp:
@@ -165,8 +182,12 @@ class HttpSseTarget:
                         rec.status, rec.error = _classify(data["error"]), data["error"]
                         return
                     int4 = data.get("int4_layers", [])
-                    _record_tokens(rec, clock.now(), int(data.get("output_token_count", 0)),
-                                   int4 if isinstance(int4, list) else [int4])
+                    _record_tokens(
+                        rec,
+                        clock.now(),
+                        int(data.get("output_token_count", 0)),
+                        int4 if isinstance(int4, list) else [int4],
+                    )
                 rec.status = "ok"
         finally:
             rec.end_s = clock.now()

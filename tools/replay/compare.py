@@ -9,6 +9,7 @@ With --sweep it replays the window at each rate scale per policy instead and rep
 policy sustains within the SLO (sweep.md, sweep.png). --report-only rebuilds the report from raw/.
 See docs/replay.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,19 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="quick" if quick else "default", help="report folder: results/replay/<name>/")
     ap.add_argument("--out-root", default="results/replay", help="relative: to the repository root")
-    ap.add_argument("--policies", default=QUICK["policies"] if quick else DEFAULT_POLICIES,
-                    help="comma-separated morph_policy values, run in this order (the first sets the default SLO)")
-    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                    help="server parameter for every run (see docs/configuration.md); defaults: "
-                         + " ".join(f"{k}={v}" for k, v in DEFAULT_PARAMS.items()))
+    ap.add_argument(
+        "--policies",
+        default=QUICK["policies"] if quick else DEFAULT_POLICIES,
+        help="comma-separated morph_policy values, run in this order (the first sets the default SLO)",
+    )
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="server parameter for every run (see docs/configuration.md); defaults: "
+        + " ".join(f"{k}={v}" for k, v in DEFAULT_PARAMS.items()),
+    )
     ap.add_argument("--quick", action="store_true", help="a ~2 minute run (2 policies, a 25 s window) for the tests")
     ap.add_argument("--probes", type=int, default=QUICK["probes"] if quick else 5, help="unloaded TTFT probes per run")
     ap.add_argument("--drain-s", type=float, default=QUICK["drain_s"] if quick else 90.0)
@@ -69,8 +78,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = repo_path(args.out_root) / args.name
     reqs, window_s, described = build_workload(args)
-    print(f"[compare] {described}\n[compare] policies: {', '.join(args.policy_list)}; server: "
-          + " ".join(f"{k}={v}" for k, v in args.params.items()), flush=True)
+    print(
+        f"[compare] {described}\n[compare] policies: {', '.join(args.policy_list)}; server: "
+        + " ".join(f"{k}={v}" for k, v in args.params.items()),
+        flush=True,
+    )
     if not args.report_only:
         prompts = PromptSource(load_tokenizer(args.fragment_dir), args.corpus)
         if args.sweep:

@@ -1,5 +1,6 @@
 """The comparison: every policy replays the same planned window against a freshly started server with the same
 settings, one after another; each run's raw result lands in <out>/raw/<policy>.json."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,25 @@ from tools.replay.settings import slo_of
 def run_policy(policy: str, planned, window_s, args, log_dir: Path) -> ReplayResult:
     load0 = os.getloadavg()[0]
     with Server(policy, args.params, log_dir) as h:
-        res = replay(planned, "grpc", h.grpc_url, h.metrics_url, window_s, args.drain_s,
-                     not args.no_progress, args.probe, args.probes)
+        res = replay(
+            planned,
+            "grpc",
+            h.grpc_url,
+            h.metrics_url,
+            window_s,
+            args.drain_s,
+            not args.no_progress,
+            args.probe,
+            args.probes,
+        )
     res.load_avg = (load0, os.getloadavg()[0])
     s = rm.summarize(res.records, slo_of(args, res))
-    print(f"[compare] {policy}: {s.completed}/{s.requests} completed, unloaded TTFT {rm.dist(res.unloaded_ttft_s).p50:.2f}"
-          f" s, SLO {s.slo.ttft_s:.2f} s, violations {s.slo_violation_rate:.1%}, P95 TTFT {s.ttft.p95:.2f} s; "
-          f"load average {load0:.1f} -> {res.load_avg[1]:.1f}", flush=True)
+    print(
+        f"[compare] {policy}: {s.completed}/{s.requests} completed, unloaded TTFT {rm.dist(res.unloaded_ttft_s).p50:.2f}"
+        f" s, SLO {s.slo.ttft_s:.2f} s, violations {s.slo_violation_rate:.1%}, P95 TTFT {s.ttft.p95:.2f} s; "
+        f"load average {load0:.1f} -> {res.load_avg[1]:.1f}",
+        flush=True,
+    )
     return res
 
 

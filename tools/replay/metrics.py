@@ -13,6 +13,7 @@ prompt_tokens` (tools.replay.client.RequestRecord, or anything shaped like it):
 - SLO violation rate = requests that did not complete, or broke an SLO, / all requests sent.
   NOTE: a rejected or unfinished request counts as a violation: dropping load must not look like meeting it.
 """
+
 from __future__ import annotations
 
 import math

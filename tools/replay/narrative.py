@@ -1,6 +1,7 @@
 """The report's reading of a comparison, written from the same data as its tables so that it cannot describe
 another run; and the check that keeps a hand-written notes.md honest: every figure it cites must appear in the
 generated part of the report (a stale note, e.g. an SLO from an earlier run, is flagged in the report itself)."""
+
 from __future__ import annotations
 
 import math
@@ -44,16 +45,20 @@ def _n(k: float, noun: str) -> str:
 
 def _policy_line(row: PolicyRow, result, slo: rm.Slo, full: PolicyRow | None, int4: PolicyRow | None) -> str:
     s, misses, samples = row.summary, _misses(result, slo), result.samples
-    text = (f"**{row.policy}**: {len(misses)} of {s.requests} requests miss the {slo.ttft_s:.2f} s TTFT SLO "
-            f"({s.slo_violation_rate:.1%}); P95 TTFT {s.ttft.p95:.2f} s")
+    text = (
+        f"**{row.policy}**: {len(misses)} of {s.requests} requests miss the {slo.ttft_s:.2f} s TTFT SLO "
+        f"({s.slo_violation_rate:.1%}); P95 TTFT {s.ttft.p95:.2f} s"
+    )
     if full is not None and row is not full and s.ttft.p95 > 0:
         text += f", {full.summary.ttft.p95 / s.ttft.p95:.2f}x lower than full's"
     kv_used, kv_max = _peak(samples, "kv_used"), _peak(samples, "kv_blocks")
     if not math.isnan(kv_used):
         waiting, pre = _peak(samples, "waiting"), _count(samples, "preemptions")
-        text += (f"; at most {kv_used:.0f} of {kv_max:.0f} KV blocks in use, "
-                 + (f"up to {_n(waiting, 'request')} waiting" if waiting else "no request waiting")
-                 + (f", {_n(pre, 'preemption')}" if pre is not None else ""))
+        text += (
+            f"; at most {kv_used:.0f} of {kv_max:.0f} KV blocks in use, "
+            + (f"up to {_n(waiting, 'request')} waiting" if waiting else "no request waiting")
+            + (f", {_n(pre, 'preemption')}" if pre is not None else "")
+        )
     if row.policy != "full" and row.base_kv_blocks and not math.isnan(row.base_kv_blocks):
         text += f"; KV capacity up to x{row.peak_kv_blocks / row.base_kv_blocks:.1f} of full's"
     if row.policy != "full" and not STATIC_INT4.match(row.policy):
@@ -62,9 +67,11 @@ def _policy_line(row: PolicyRow, result, slo: rm.Slo, full: PolicyRow | None, in
             text += f", up to {_n(peak_int4, 'INT4 layer')} at once" + (f" ({_n(swaps, 'swap')} down)" if swaps else "")
     if misses:
         got = [rm.ttft(r) for r in misses if rm.ttft(r) is not None]
-        text += (f"; the misses arrived at t = {_spans([r.arrival_s for r in misses])} s"
-                 + (f" (TTFT {min(got):.2f}-{max(got):.2f} s)" if got else "")
-                 + (f", {len(misses) - len(got)} without a first token" if len(got) < len(misses) else ""))
+        text += (
+            f"; the misses arrived at t = {_spans([r.arrival_s for r in misses])} s"
+            + (f" (TTFT {min(got):.2f}-{max(got):.2f} s)" if got else "")
+            + (f", {len(misses) - len(got)} without a first token" if len(got) < len(misses) else "")
+        )
     if row.policy != "full":
         text += f"; {s.full_precision_share:.1%} of its tokens at full precision"
         if not math.isnan(row.quality_loss):
@@ -83,8 +90,10 @@ def reading(rows: list[PolicyRow], results: dict, slo: rm.Slo, sweep: dict | Non
     lines = [f"- {_policy_line(row, results[row.policy], slo, full, int4)}" for row in rows]
     if full is not None and "balanced" in by and by["balanced"].summary.ttft.p95 > 0:
         ratio = full.summary.ttft.p95 / by["balanced"].summary.ttft.p95
-        lines.append(f"- P95 TTFT, balanced against full: {ratio:.2f}x against the {TARGETS['p95_ratio']:g}x target "
-                     f"({'met' if ratio >= TARGETS['p95_ratio'] else 'missed'}, margin {ratio - TARGETS['p95_ratio']:+.2f}x).")
+        lines.append(
+            f"- P95 TTFT, balanced against full: {ratio:.2f}x against the {TARGETS['p95_ratio']:g}x target "
+            f"({'met' if ratio >= TARGETS['p95_ratio'] else 'missed'}, margin {ratio - TARGETS['p95_ratio']:+.2f}x)."
+        )
     if sweep:
         lines += _sweep_lines(sweep)
     return "\n".join(lines)
@@ -100,8 +109,11 @@ def _sweep_lines(sweep: dict) -> list[str]:
         best = sweep["sustained"].get(policy)
         by_rate = dict(points)
         above = [(r, s) for r, s in sorted(points) if best is None or r > best]
-        text = (f"- Sweep, **{policy}**: sustains x{best:g} ({by_rate[best].output_throughput:.1f} output tok/s there)"
-                if best is not None else f"- Sweep, **{policy}**: sustains no rate tried")
+        text = (
+            f"- Sweep, **{policy}**: sustains x{best:g} ({by_rate[best].output_throughput:.1f} output tok/s there)"
+            if best is not None
+            else f"- Sweep, **{policy}**: sustains no rate tried"
+        )
         if above:
             r, s = above[0]
             missed = round(s.slo_violation_rate * s.requests)
@@ -110,10 +122,12 @@ def _sweep_lines(sweep: dict) -> list[str]:
     sus = sweep["sustained"]
     if sus.get("full") and sus.get("balanced"):
         rates = sorted({r for pts in sweep["points"].values() for r, _ in pts})
-        lines.append(f"- Throughput at saturation, balanced against full: x{sus['balanced'] / sus['full']:.2f} on the "
-                     f"grid {', '.join(f'x{r:g}' for r in rates)} (target x{TARGETS['saturation_ratio']:g}); each "
-                     f"policy's true crossing lies between its sustained grid point and the next, so this is a grid "
-                     f"reading.")
+        lines.append(
+            f"- Throughput at saturation, balanced against full: x{sus['balanced'] / sus['full']:.2f} on the "
+            f"grid {', '.join(f'x{r:g}' for r in rates)} (target x{TARGETS['saturation_ratio']:g}); each "
+            f"policy's true crossing lies between its sustained grid point and the next, so this is a grid "
+            f"reading."
+        )
     return lines
 
 

@@ -1,5 +1,6 @@
 """Paths of the replay harness: given relative to the repository root (defaults point at ../shared), and
 printed relative to it so that no report carries a machine's path."""
+
 from __future__ import annotations
 
 from pathlib import Path

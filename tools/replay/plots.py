@@ -1,4 +1,5 @@
 """PNG plots of a policy comparison: one timeline per policy, TTFT CDFs, and the saturation sweep."""
+
 from __future__ import annotations
 
 import math
@@ -42,11 +43,15 @@ def timeline(path: Path, policy: str, result, slo: rm.Slo, window_s: float | Non
     ax[2].set_ylabel("INT4 layers")
     ax[2].set_ylim(-1, max(v + [1]) + 2)
 
-    for key, color, label in (("kv_blocks", "tab:orange", "KV capacity"), ("kv_used", "tab:gray", "KV used"),
-                              ("kv_capacity", "black", "configured pool (max_tokens_in_paged_kv_cache)")):
+    for key, color, label in (
+        ("kv_blocks", "tab:orange", "KV capacity"),
+        ("kv_used", "tab:gray", "KV used"),
+        ("kv_capacity", "black", "configured pool (max_tokens_in_paged_kv_cache)"),
+    ):
         t, v = _series(samples, key)
-        ax[3].plot(t, v, color=color, label=label, drawstyle="steps-post",
-                   linestyle="--" if key == "kv_capacity" else "-")
+        ax[3].plot(
+            t, v, color=color, label=label, drawstyle="steps-post", linestyle="--" if key == "kv_capacity" else "-"
+        )
     ax[3].set_ylabel("KV blocks")
     ax[3].legend(loc="upper right", fontsize=8)
 
@@ -58,8 +63,13 @@ def timeline(path: Path, policy: str, result, slo: rm.Slo, window_s: float | Non
     lost = [r for r in recs if rm.ttft(r) is None]
     if lost:
         top = max([rm.ttft(r) for r in served] + [slo.ttft_s]) * 1.5
-        ax[4].scatter([r.arrival_s for r in lost], [top] * len(lost), marker="x", color="black",
-                      label=f"no token: rejected/failed ({len(lost)})")
+        ax[4].scatter(
+            [r.arrival_s for r in lost],
+            [top] * len(lost),
+            marker="x",
+            color="black",
+            label=f"no token: rejected/failed ({len(lost)})",
+        )
     ax[4].axhline(slo.ttft_s, color="black", linestyle="--", linewidth=1, label="SLO")
     ax[4].set_yscale("log")
     ax[4].set_ylabel("TTFT (s)")

@@ -4,6 +4,7 @@ The corpus is tokenized once; prompt i starts at a different offset (a fixed str
 requests do not share prefixes, and is trimmed until it re-encodes to the requested length (BPE merges at the
 cut can change the count by a token or two).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,7 @@ def load_tokenizer(fragment_dir: str | Path = DEFAULT_FRAGMENTS):
 
 
 class PromptSource:
-    def __init__(self, tokenizer, corpus: str | Path = DEFAULT_CORPUS, max_chars: int = 400_000,
-                 stride: int = 7919):
+    def __init__(self, tokenizer, corpus: str | Path = DEFAULT_CORPUS, max_chars: int = 400_000, stride: int = 7919):
         text = repo_path(corpus).read_text(encoding="utf-8", errors="replace")[:max_chars]
         # Collapse the novels' hard line wraps: prompts read as prose, and whitespace tokens do not dominate.
         self.tok = tokenizer

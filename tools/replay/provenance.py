@@ -1,5 +1,6 @@
 """Which code produced a run: the commit checked out when it ran (and whether tracked files differed from it),
 recorded with the raw results so that a report rebuilt later still names the run's commit, not the rebuild's."""
+
 from __future__ import annotations
 
 import subprocess

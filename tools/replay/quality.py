@@ -7,6 +7,7 @@ interpolated linearly (the report says so). A few other natural layouts are acce
   {"lis": [ppl_0, ppl_1, ...]}       {"orders": {"lis": [{"k": 0, "perplexity": ppl_0}, ...]}}
   [{"order": "lis", "k": 0, "ppl": ...}, ...]
 """
+
 from __future__ import annotations
 
 import json
@@ -82,5 +83,8 @@ def load_quality(path: str | Path, order: str = "lis") -> tuple[dict[int, float]
         return None, f"quality n/a: no perplexity table for order {order!r} (with k = 0) in {path.name}"
     full = interpolate(table)
     gaps = len(full) - len(table)
-    return full, (f"quality: perplexity by INT4 layers (order {order!r}, k = 0..{max(table)}) from {path.name}"
-                  + (f"; {gaps} k interpolated linearly" if gaps else "") + f"; full precision {table[0]:.3f}")
+    return full, (
+        f"quality: perplexity by INT4 layers (order {order!r}, k = 0..{max(table)}) from {path.name}"
+        + (f"; {gaps} k interpolated linearly" if gaps else "")
+        + f"; full precision {table[0]:.3f}"
+    )

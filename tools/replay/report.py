@@ -1,6 +1,7 @@
 """The report folder of a comparison, built from its raw/ results: report.md (the exact command, the run's commit,
 workload, settings, SLO, table, targets, plots, sweep.md when present, a reading generated from the same data,
 and notes.md when present, checked against the rest), summary.json and the PNGs."""
+
 from __future__ import annotations
 
 import json
@@ -51,30 +52,52 @@ def write_report(args, out: Path, described: str, window_s) -> None:
     command = args.command
     if args.report_only and run:
         command = run["command"] + f"\n# report rebuilt: {args.command}"
-    md = [f"# Trace replay: {args.name}", "",
-          "```bash", command, "```", "", f"- run: {describe(run)}"
-          + (f"; sweep: {describe(sweep)}" if sweep and sweep.get("commit") else ""),
-          f"- workload: {described}".replace("\n", "\n  "),
-          "- server settings (same for every policy): "
-          + ", ".join(f"`{k}={v}`" for k, v in sorted(args.params.items())),
-          (f"- TTFT SLO: {args.slo_s:.2f} s (--ttft-slo-ms) for every run" if args.slo_s is not None else
-           f"- TTFT SLO: {slo.ttft_s:.2f} s for every run = {args.slo_multiple:g}x the median unloaded TTFT of all runs' "
-           f"probes ({args.probes} requests sent one at a time to each run's idle server before its window, the "
-           f"window's median prompt length); each run's own median and the violations it would have under "
-           f"{args.slo_multiple:g}x that alone are in the table")
-          + (f"; TPOT SLO {args.tpot_slo_s * 1e3:.0f} ms" if args.tpot_slo_s else ""),
-          f"- {quality_note}",
-          f"- machine: 2 CPU cores shared with other work; load average (1 min) at start -> end of each run: {loads}",
-          "- a rejected or unfinished request counts as an SLO violation; TTFT percentiles are over requests that got"
-          " a first token, TPOT over completed ones; the INT4 count per token is the server's (`int4_layers` output)",
-          "", tables.table(rows), "",
-          "## Targets (issue 5)", "", tables.targets(rows, "balanced", saturation), "",
-          "## Plots", "", "![TTFT CDF](ttft_cdf.png)", ""]
+    md = [
+        f"# Trace replay: {args.name}",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"- run: {describe(run)}" + (f"; sweep: {describe(sweep)}" if sweep and sweep.get("commit") else ""),
+        f"- workload: {described}".replace("\n", "\n  "),
+        "- server settings (same for every policy): " + ", ".join(f"`{k}={v}`" for k, v in sorted(args.params.items())),
+        (
+            f"- TTFT SLO: {args.slo_s:.2f} s (--ttft-slo-ms) for every run"
+            if args.slo_s is not None
+            else f"- TTFT SLO: {slo.ttft_s:.2f} s for every run = {args.slo_multiple:g}x the median unloaded TTFT of all runs' "
+            f"probes ({args.probes} requests sent one at a time to each run's idle server before its window, the "
+            f"window's median prompt length); each run's own median and the violations it would have under "
+            f"{args.slo_multiple:g}x that alone are in the table"
+        )
+        + (f"; TPOT SLO {args.tpot_slo_s * 1e3:.0f} ms" if args.tpot_slo_s else ""),
+        f"- {quality_note}",
+        f"- machine: 2 CPU cores shared with other work; load average (1 min) at start -> end of each run: {loads}",
+        "- a rejected or unfinished request counts as an SLO violation; TTFT percentiles are over requests that got"
+        " a first token, TPOT over completed ones; the INT4 count per token is the server's (`int4_layers` output)",
+        "",
+        tables.table(rows),
+        "",
+        "## Targets (issue 5)",
+        "",
+        tables.targets(rows, "balanced", saturation),
+        "",
+        "## Plots",
+        "",
+        "![TTFT CDF](ttft_cdf.png)",
+        "",
+    ]
     md += [f"![{p}](timeline_{slug(p)}.png)" for p in results]
     if (out / "sweep.md").exists():
         md += ["", "## Saturation sweep", "", (out / "sweep.md").read_text()]
-    md += ["", "## Reading", "", "Generated from the data above (tools/replay/narrative.py).", "",
-           narrative.reading(rows, results, slo, sweep)]
+    md += [
+        "",
+        "## Reading",
+        "",
+        "Generated from the data above (tools/replay/narrative.py).",
+        "",
+        narrative.reading(rows, results, slo, sweep),
+    ]
     if (out / "notes.md").exists():  # hand-written context, kept across --report-only; its figures are checked
         notes = (out / "notes.md").read_text()
         stale = narrative.unbacked_figures(notes, "\n".join(md))
@@ -84,12 +107,26 @@ def write_report(args, out: Path, described: str, window_s) -> None:
             print(f"[compare] WARNING: notes.md cites figures not in this run's report: {', '.join(stale)}", flush=True)
         md += [notes]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    (out / "summary.json").write_text(json.dumps({r.policy: {**r.summary.as_dict(), "peak_kv_blocks": r.peak_kv_blocks,
-                                                             "weighted_ppl": r.weighted_ppl, "quality_loss": r.quality_loss,
-                                                             "unloaded_ttft_s": r.unloaded_ttft_s,
-                                                             "own_slo_s": r.own_slo_s,
-                                                             "own_violation_rate": r.own_violation_rate}
-                                                 for r in rows},
-                                                 indent=1, default=str))
-    print(f"\n{tables.table(rows)}\n\n{tables.targets(rows, 'balanced', saturation)}\n"
-          f"\n[compare] report: {shown(out)}/report.md", flush=True)
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                r.policy: {
+                    **r.summary.as_dict(),
+                    "peak_kv_blocks": r.peak_kv_blocks,
+                    "weighted_ppl": r.weighted_ppl,
+                    "quality_loss": r.quality_loss,
+                    "unloaded_ttft_s": r.unloaded_ttft_s,
+                    "own_slo_s": r.own_slo_s,
+                    "own_violation_rate": r.own_violation_rate,
+                }
+                for r in rows
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    print(
+        f"\n{tables.table(rows)}\n\n{tables.targets(rows, 'balanced', saturation)}\n"
+        f"\n[compare] report: {shown(out)}/report.md",
+        flush=True,
+    )

@@ -1,5 +1,6 @@
 """One replay's outcome: every request's record, the server's metrics over time, the unloaded probes and the
 run's own health (send lag, missed scrapes, machine load), as JSON and as the raw files a report is built from."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,25 @@ class ReplayResult:
     load_avg: tuple[float, float] | None = None  # the machine's 1-min load average at start and end
 
     def to_json(self) -> dict:
-        return {"records": [asdict(r) for r in self.records], "samples": self.samples,
-                "unloaded_ttft_s": self.unloaded_ttft_s, "max_send_lag_s": self.max_send_lag_s,
-                "metrics_errors": self.metrics_errors, "load_avg": self.load_avg}
+        return {
+            "records": [asdict(r) for r in self.records],
+            "samples": self.samples,
+            "unloaded_ttft_s": self.unloaded_ttft_s,
+            "max_send_lag_s": self.max_send_lag_s,
+            "metrics_errors": self.metrics_errors,
+            "load_avg": self.load_avg,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "ReplayResult":
-        return cls([RequestRecord(**r) for r in data["records"]], data["samples"], data["unloaded_ttft_s"],
-                   data.get("max_send_lag_s", 0.0), data.get("metrics_errors", 0), data.get("load_avg"))
+        return cls(
+            [RequestRecord(**r) for r in data["records"]],
+            data["samples"],
+            data["unloaded_ttft_s"],
+            data.get("max_send_lag_s", 0.0),
+            data.get("metrics_errors", 0),
+            data.get("load_avg"),
+        )
 
 
 def save_raw(path: Path, policy: str, res: ReplayResult) -> None:

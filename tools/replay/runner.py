@@ -5,6 +5,7 @@ measures the unloaded TTFT (a few requests one at a time) for the default SLO; w
 server's metrics for the timeline. At the end of the window it stops sending, waits up to `drain_s` for
 requests in flight, and cancels the rest (counted as unfinished).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,12 +32,21 @@ async def probe_ttft(target, prompt: Planned, n: int) -> list[float]:
     return out
 
 
-async def run_window(planned: list[Planned], target, metrics_url: str | None, window_s: float | None,
-                     drain_s: float, progress: bool, probe: Planned | None, probes: int) -> ReplayResult:
+async def run_window(
+    planned: list[Planned],
+    target,
+    metrics_url: str | None,
+    window_s: float | None,
+    drain_s: float,
+    progress: bool,
+    probe: Planned | None,
+    probes: int,
+) -> ReplayResult:
     unloaded = await probe_ttft(target, probe, probes) if probe is not None and probes else []
     clock = Clock()
-    records = [RequestRecord(p.index, p.arrival_s, p.prompt_tokens, p.output_tokens, priority=p.priority)
-               for p in planned]
+    records = [
+        RequestRecord(p.index, p.arrival_s, p.prompt_tokens, p.output_tokens, priority=p.priority) for p in planned
+    ]
     stop = asyncio.Event()
     sampler = MetricsSampler(metrics_url, clock) if metrics_url else None
     sampling = asyncio.create_task(sampler.run(stop)) if sampler else None
@@ -46,8 +56,11 @@ async def run_window(planned: list[Planned], target, metrics_url: str | None, wi
 
     def finished(_task):
         bar.update(1)
-        bar.set_postfix(in_flight=sum(not t.done() for t in tasks),
-                        failed=sum(r.status not in ("ok", "pending") for r in records), refresh=False)
+        bar.set_postfix(
+            in_flight=sum(not t.done() for t in tasks),
+            failed=sum(r.status not in ("ok", "pending") for r in records),
+            refresh=False,
+        )
 
     try:
         for p, rec in zip(planned, records):
@@ -79,10 +92,20 @@ def progress_bar(total: int, enabled: bool) -> tqdm:
     return tqdm(total=total, unit="req", desc="replay", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def replay(planned: list[Planned], protocol: str, url: str, metrics_url: str | None, window_s: float | None,
-           drain_s: float = 60.0, progress: bool = True, probe: Planned | None = None, probes: int = 5,
-           model: str = "smollm2") -> ReplayResult:
+def replay(
+    planned: list[Planned],
+    protocol: str,
+    url: str,
+    metrics_url: str | None,
+    window_s: float | None,
+    drain_s: float = 60.0,
+    progress: bool = True,
+    probe: Planned | None = None,
+    probes: int = 5,
+    model: str = "smollm2",
+) -> ReplayResult:
     """Replay the planned window against the server at `url` and return what happened."""
+
     async def go():
         target = make_target(protocol, url, model)
         try:

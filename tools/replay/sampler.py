@@ -2,6 +2,7 @@
 
 Gauges are refreshed by the model every `metrics_interval_s`, so a sample is at most that old.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,7 @@ GAUGES = {
     "prefix_reused_tokens": ("morphserve_prefix_cache_reused_tokens_total", {}),
 }
 
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 

@@ -1,5 +1,6 @@
 """A fresh tritonserver per policy run on free ports (trtllm_backend.triton.server.launch), and waiting for it
 to idle."""
+
 from __future__ import annotations
 
 import time
@@ -25,11 +26,18 @@ class Server:
         http, grpc, metrics = free_ports(3)
         log_dir.mkdir(parents=True, exist_ok=True)
         t = time.monotonic()
-        self.handle = launch(REPO_ROOT / "model_repository", http_port=http, grpc_port=grpc,
-                             metrics_port=metrics, params={**params, "morph_policy": policy},
-                             backend_dir=REPO_ROOT / "build" / "backends", build_dir=REPO_ROOT / "build",
-                             log_path=log_dir / f"server_{slug(policy)}.log", ready_timeout=600,
-                             exit_timeout_s=15)
+        self.handle = launch(
+            REPO_ROOT / "model_repository",
+            http_port=http,
+            grpc_port=grpc,
+            metrics_port=metrics,
+            params={**params, "morph_policy": policy},
+            backend_dir=REPO_ROOT / "build" / "backends",
+            build_dir=REPO_ROOT / "build",
+            log_path=log_dir / f"server_{slug(policy)}.log",
+            ready_timeout=600,
+            exit_timeout_s=15,
+        )
         print(f"[compare] {policy}: server ready in {time.monotonic() - t:.0f} s (gRPC :{grpc})", flush=True)
 
     def __enter__(self):

@@ -6,6 +6,7 @@ GeneratedTokens) or Mooncake-style JSONL (timestamp in ms, input_length, output_
 rates are far beyond a 135M model on two CPU cores, so `Shaping` keeps the arrival pattern and scales the
 rest explicitly; `Shaping.describe()` says what was done, and every tool prints it.
 """
+
 from __future__ import annotations
 
 import csv
@@ -33,8 +34,9 @@ def _azure_time(text: str) -> datetime:
 
 def read_azure_csv(path: str | Path) -> list[TraceRequest]:
     with open(path, newline="") as f:
-        rows = [(_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-                for r in csv.DictReader(f)]
+        rows = [
+            (_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)
+        ]
     if not rows:
         return []
     t0 = min(t for t, _, _ in rows)
@@ -113,22 +115,33 @@ class Shaping:
             for c in range(copies):
                 # Replicas land within the next second, not on the same instant.
                 t = r.arrival_s - self.window_start_s + (rng.random() if c else 0.0)
-                out.append(TraceRequest(t / self.time_scale,
-                                        _clip(*self.prompt_clip, round(r.prompt_tokens * self.prompt_scale)),
-                                        _clip(*self.output_clip, round(r.output_tokens * self.output_scale))))
+                out.append(
+                    TraceRequest(
+                        t / self.time_scale,
+                        _clip(*self.prompt_clip, round(r.prompt_tokens * self.prompt_scale)),
+                        _clip(*self.output_clip, round(r.output_tokens * self.output_scale)),
+                    )
+                )
         out.sort(key=lambda r: r.arrival_s)
-        self.notes = [describe_lengths("trace window", window, self.window_s),
-                      describe_lengths("replayed", out, self.duration_s)]
+        self.notes = [
+            describe_lengths("trace window", window, self.window_s),
+            describe_lengths("replayed", out, self.duration_s),
+        ]
         return out
 
     def describe(self) -> str:
-        window = (f"[{self.window_start_s:g} s, {self.window_start_s + self.window_s:g} s)" if self.window_s
-                  else f"[{self.window_start_s:g} s, end)")
+        window = (
+            f"[{self.window_start_s:g} s, {self.window_start_s + self.window_s:g} s)"
+            if self.window_s
+            else f"[{self.window_start_s:g} s, end)"
+        )
         clip = lambda c: f"{c[0]}:{c[1] if c[1] is not None else 'inf'}"  # noqa: E731
-        lines = [f"window {window} of the trace; rate x{self.rate_scale:g} (thin/replicate, seed {self.seed}), "
-                 f"time x{self.time_scale:g} (effective arrival rate x{self.rate_scale * self.time_scale:g}); "
-                 f"prompt tokens x{self.prompt_scale:g} clipped to {clip(self.prompt_clip)}, "
-                 f"output tokens x{self.output_scale:g} clipped to {clip(self.output_clip)}"]
+        lines = [
+            f"window {window} of the trace; rate x{self.rate_scale:g} (thin/replicate, seed {self.seed}), "
+            f"time x{self.time_scale:g} (effective arrival rate x{self.rate_scale * self.time_scale:g}); "
+            f"prompt tokens x{self.prompt_scale:g} clipped to {clip(self.prompt_clip)}, "
+            f"output tokens x{self.output_scale:g} clipped to {clip(self.output_clip)}"
+        ]
         return "\n".join(lines + self.notes)
 
     def as_dict(self) -> dict:
@@ -141,8 +154,10 @@ def describe_lengths(label: str, reqs: list[TraceRequest], duration_s: float | N
     p = sorted(r.prompt_tokens for r in reqs)
     o = sorted(r.output_tokens for r in reqs)
     span = duration_s or (reqs[-1].arrival_s - reqs[0].arrival_s) or 1.0
-    return (f"{label}: {len(reqs)} requests in {span:g} s ({len(reqs) / span:.3g} req/s); prompt median "
-            f"{p[len(p) // 2]} max {p[-1]}, output median {o[len(o) // 2]} max {o[-1]} tokens")
+    return (
+        f"{label}: {len(reqs)} requests in {span:g} s ({len(reqs) / span:.3g} req/s); prompt median "
+        f"{p[len(p) // 2]} max {p[-1]}, output median {o[len(o) // 2]} max {o[-1]} tokens"
+    )
 
 
 def parse_clip(text: str) -> tuple[int, int | None]:
@@ -214,8 +229,12 @@ class Synthetic:
         return max(1, round(n * rng.uniform(1 - j, 1 + j))) if j else n
 
     def describe(self) -> str:
-        what = {"poisson": f"Poisson {self.rate:g} req/s",
-                "gamma": f"gamma {self.rate:g} req/s, burstiness {self.burstiness:g}",
-                "step": f"step {self.rate:g} req/s, {self.burst_rate:g} req/s for {self.burst_s:g} s every {self.period_s:g} s"}
-        return (f"synthetic arrivals: {what[self.kind]} for {self.duration_s:g} s (seed {self.seed}); prompt "
-                f"{self.prompt_tokens} output {self.output_tokens} tokens, jitter +-{self.length_jitter:.0%}")
+        what = {
+            "poisson": f"Poisson {self.rate:g} req/s",
+            "gamma": f"gamma {self.rate:g} req/s, burstiness {self.burstiness:g}",
+            "step": f"step {self.rate:g} req/s, {self.burst_rate:g} req/s for {self.burst_s:g} s every {self.period_s:g} s",
+        }
+        return (
+            f"synthetic arrivals: {what[self.kind]} for {self.duration_s:g} s (seed {self.seed}); prompt "
+            f"{self.prompt_tokens} output {self.output_tokens} tokens, jitter +-{self.length_jitter:.0%}"
+        )

@@ -1,5 +1,6 @@
 """What a replay sends: the workload options (a trace window and its scaling, or synthetic arrivals), and the
 requests planned from them, each with a real prompt of its exact token length."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,12 +16,25 @@ DEFAULT_TRACE = "../shared/data/traces/azure_llm_code_2023.csv"
 
 def add_workload_args(ap: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """Trace/synthetic and prompt options, shared by both entry points (the comparison passes its own defaults)."""
-    d = {"window_start": 0.0, "window": 60.0, "rate_scale": 1.0, "time_scale": 1.0, "prompt_scale": 1.0,
-         "output_scale": 1.0, "prompt_clip": "1:", "output_clip": "1:", **(defaults or {})}
+    d = {
+        "window_start": 0.0,
+        "window": 60.0,
+        "rate_scale": 1.0,
+        "time_scale": 1.0,
+        "prompt_scale": 1.0,
+        "output_scale": 1.0,
+        "prompt_clip": "1:",
+        "output_clip": "1:",
+        **(defaults or {}),
+    }
     g = ap.add_argument_group("workload")
-    g.add_argument("--trace", default=DEFAULT_TRACE, help="Azure 2023 CSV or Mooncake-style JSONL (relative: to the repo root)")
+    g.add_argument(
+        "--trace", default=DEFAULT_TRACE, help="Azure 2023 CSV or Mooncake-style JSONL (relative: to the repo root)"
+    )
     g.add_argument("--trace-format", default="auto", choices=["auto", "azure", "jsonl"])
-    g.add_argument("--jsonl-time-unit", type=float, default=1e-3, help="seconds per JSONL timestamp unit (Mooncake: ms)")
+    g.add_argument(
+        "--jsonl-time-unit", type=float, default=1e-3, help="seconds per JSONL timestamp unit (Mooncake: ms)"
+    )
     g.add_argument("--window-start", type=float, default=d["window_start"], help="seconds into the trace")
     g.add_argument("--window", type=float, default=d["window"], help="seconds of trace to replay")
     g.add_argument("--rate-scale", type=float, default=d["rate_scale"], help="thin (<1) or replicate (>1) arrivals")
@@ -46,14 +60,32 @@ def add_workload_args(ap: argparse.ArgumentParser, defaults: dict | None = None)
 def build_workload(args, rate_scale: float | None = None) -> tuple[list[TraceRequest], float, str]:
     """(requests, window duration in s, a description of the scaling to print)."""
     if args.synthetic:
-        syn = Synthetic(args.synthetic, args.rate * (rate_scale or args.rate_scale), args.window, args.burstiness,
-                        args.burst_rate * (rate_scale or args.rate_scale), args.burst_s, args.period_s,
-                        args.prompt_tokens, args.output_tokens, args.length_jitter, args.seed)
+        syn = Synthetic(
+            args.synthetic,
+            args.rate * (rate_scale or args.rate_scale),
+            args.window,
+            args.burstiness,
+            args.burst_rate * (rate_scale or args.rate_scale),
+            args.burst_s,
+            args.period_s,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.length_jitter,
+            args.seed,
+        )
         reqs = syn.generate()
         return reqs, args.window, syn.describe() + f"; rate x{rate_scale or args.rate_scale:g}"
-    shaping = Shaping(args.window_start, args.window, rate_scale or args.rate_scale, args.time_scale,
-                      args.prompt_scale, args.output_scale, parse_clip(args.prompt_clip), parse_clip(args.output_clip),
-                      args.seed)
+    shaping = Shaping(
+        args.window_start,
+        args.window,
+        rate_scale or args.rate_scale,
+        args.time_scale,
+        args.prompt_scale,
+        args.output_scale,
+        parse_clip(args.prompt_clip),
+        parse_clip(args.output_clip),
+        args.seed,
+    )
     reqs = shaping.apply(read_trace(repo_path(args.trace), args.trace_format, args.jsonl_time_unit))
     return reqs, shaping.duration_s, f"trace {args.trace}: " + shaping.describe()
 

@@ -1,4 +1,5 @@
 """`python -m trtllm_backend.openai --triton localhost:8001 --port 9000`"""
+
 from __future__ import annotations
 
 import argparse
@@ -21,19 +22,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--model", default="smollm2", help="the Triton model to forward to (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    p.add_argument("--fragments", type=Path, default=ROOT / "model_repository" / "smollm2" / "1" / "fragments",
-                   help="fragment folder whose manifest carries the chat template (default: %(default)s)")
-    p.add_argument("--api-key", default=env_vars.OPENAI_GATEWAY_API_KEY.value() or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $OPENAI_GATEWAY_API_KEY, else none)")
+    p.add_argument(
+        "--fragments",
+        type=Path,
+        default=ROOT / "model_repository" / "smollm2" / "1" / "fragments",
+        help="fragment folder whose manifest carries the chat template (default: %(default)s)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=env_vars.OPENAI_GATEWAY_API_KEY.value() or None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $OPENAI_GATEWAY_API_KEY, else none)",
+    )
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = GatewayConfig(triton_url=args.triton, triton_model=args.model,
-                           served_model=args.served_model_name or args.model, fragment_dir=args.fragments,
-                           api_key=args.api_key or None)
+    config = GatewayConfig(
+        triton_url=args.triton,
+        triton_model=args.model,
+        served_model=args.served_model_name or args.model,
+        fragment_dir=args.fragments,
+        api_key=args.api_key or None,
+    )
     try:
         app = create_app(config)
     except TemplateError as exc:

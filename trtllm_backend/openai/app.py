@@ -1,5 +1,6 @@
 """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics (and a clear refusal
 of /v1/responses)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -87,12 +88,21 @@ class _Call:
         return obj
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
-    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False, usage: bool = False,
-              piece: Piece | None = None) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        first: bool = False,
+        usage: bool = False,
+        piece: Piece | None = None,
+    ) -> dict:
         logprobs = self.logprobs(piece) if piece is not None else None
         if self.kind == "chat":
             delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
@@ -108,14 +118,29 @@ class _Call:
 
     def whole(self, text: str) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(),
-                      "finish_reason": self.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(),
+                "finish_reason": self.finish_reason,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": self.echo + text, "logprobs": self.logprobs(), "finish_reason": self.finish_reason}
+            choice = {
+                "index": 0,
+                "text": self.echo + text,
+                "logprobs": self.logprobs(),
+                "finish_reason": self.finish_reason,
+            }
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
 
 
 def create_app(config: GatewayConfig, template: ChatTemplate | None = None, texts: TokenTexts | None = None) -> FastAPI:
@@ -141,8 +166,11 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None, text
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                           code="not_found" if exc.status_code == 404 else None).response()
+        return OpenAIError(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}",
+            code="not_found" if exc.status_code == 404 else None,
+        ).response()
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -150,8 +178,9 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None, text
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
-            raise OpenAIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                              code="invalid_api_key")
+            raise OpenAIError(
+                401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
+            )
 
     def check_model(name: str) -> None:
         if name != config.served_model:
@@ -186,8 +215,12 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None, text
         authorize(request)
         # NOTE: a clear refusal, not a bare 404: SDKs and agent frameworks try this endpoint first. 404 (not 501),
         # so the official client does not retry it.
-        raise OpenAIError(404, "POST /v1/responses: the Responses API is not served by this gateway; use "
-                          "POST /v1/chat/completions (or /v1/completions)", code="unsupported_endpoint")
+        raise OpenAIError(
+            404,
+            "POST /v1/responses: the Responses API is not served by this gateway; use "
+            "POST /v1/chat/completions (or /v1/completions)",
+            code="unsupported_endpoint",
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -204,18 +237,36 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None, text
         messages = [m.for_template() for m in req.messages]
         return await serve(request, "chat", req, template.render(messages), "messages")
 
-    async def serve(request: Request, kind: str, req: GenerationRequest, prompt: str, prompt_field: str,
-                    echo: bool = False):
+    async def serve(
+        request: Request, kind: str, req: GenerationRequest, prompt: str, prompt_field: str, echo: bool = False
+    ):
         arrival = time.monotonic()
         limit_field, limit = req.output_limit
-        gen = Generation(prompt, max_tokens=limit, temperature=req.temperature, top_p=req.top_p,
-                         stop=tuple(req.stop_list), seed=req.seed, frequency_penalty=req.frequency_penalty,
-                         presence_penalty=req.presence_penalty, min_tokens=req.min_output,
-                         logprobs=req.alternatives, prompt_logprobs=echo and req.alternatives is not None,
-                         guide=req.guide, priority=req.priority)
+        gen = Generation(
+            prompt,
+            max_tokens=limit,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop=tuple(req.stop_list),
+            seed=req.seed,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+            min_tokens=req.min_output,
+            logprobs=req.alternatives,
+            prompt_logprobs=echo and req.alternatives is not None,
+            guide=req.guide,
+            priority=req.priority,
+        )
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        call = _Call(kind, req.model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), arrival,
-                     texts=texts if req.alternatives is not None else None, echo=prompt if echo else "")
+        call = _Call(
+            kind,
+            req.model,
+            f"{prefix}-{uuid.uuid4().hex}",
+            int(time.time()),
+            arrival,
+            texts=texts if req.alternatives is not None else None,
+            echo=prompt if echo else "",
+        )
         pieces = state["backend"].generate(gen, prompt_field, limit_field)
         endpoint = request.url.path
         metrics.in_flight.inc()
@@ -226,8 +277,11 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None, text
             metrics.in_flight.dec()
             raise
         if req.stream:
-            return StreamingResponse(stream(call, first, pieces, req.include_usage, endpoint),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                stream(call, first, pieces, req.include_usage, endpoint),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         try:
             return await whole(request, call, first, pieces, endpoint)
         finally:
@@ -271,8 +325,14 @@ def create_app(config: GatewayConfig, template: ChatTemplate | None = None, text
                     if piece.text and not sent_text:
                         sent_text = True
                         metrics.ttft.labels(endpoint).observe(time.monotonic() - call.arrival)
-                    yield _sse(call.chunk(echo + piece.text, call.finish_reason if piece.final else None,
-                                          usage=include_usage, piece=piece))
+                    yield _sse(
+                        call.chunk(
+                            echo + piece.text,
+                            call.finish_reason if piece.final else None,
+                            usage=include_usage,
+                            piece=piece,
+                        )
+                    )
                     echo = ""
                 if piece.final:
                     break

@@ -8,6 +8,7 @@ output tokens/s and median TTFT for each, side by side. Under 16 streams TTFT is
 noise dwarfs the gateway's share, so lone requests (one token each, alternating) measure the TTFT the gateway
 adds. A script that prints numbers, not a timed test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,11 @@ def prompts(n: int) -> list[str]:
 
 async def direct_one(client, model: str, prompt: str, max_tokens: int) -> tuple[int, float]:
     done = asyncio.Event()
-    request = {"model_name": model, "inputs": build_inputs(Generation(prompt, max_tokens=max_tokens, temperature=0.0)),
-               "parameters": {"triton_enable_empty_final_response": True}}
+    request = {
+        "model_name": model,
+        "inputs": build_inputs(Generation(prompt, max_tokens=max_tokens, temperature=0.0)),
+        "parameters": {"triton_enable_empty_final_response": True},
+    }
 
     async def requests():
         yield request
@@ -66,8 +70,14 @@ async def direct_one(client, model: str, prompt: str, max_tokens: int) -> tuple[
 
 
 async def gateway_one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> tuple[int, float]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, ttft, tokens = time.perf_counter(), None, 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
@@ -88,14 +98,24 @@ async def one_round(send, n: int, max_tokens: int) -> Round:
     return Round(sum(t for t, _ in results), time.perf_counter() - start, [f for _, f in results])
 
 
-async def measure(triton: str, gateway: str, model: str, concurrency: int, max_tokens: int, rounds: int,
-                  api_key: str | None, probes: int) -> dict[str, list[Round]]:
+async def measure(
+    triton: str,
+    gateway: str,
+    model: str,
+    concurrency: int,
+    max_tokens: int,
+    rounds: int,
+    api_key: str | None,
+    probes: int,
+) -> dict[str, list[Round]]:
     grpc_client = grpcaio.InferenceServerClient(triton)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     http = httpx.AsyncClient(base_url=gateway, timeout=600, limits=limits, headers=headers)
-    senders = {"direct": lambda p, m: direct_one(grpc_client, model, p, m),
-               "gateway": lambda p, m: gateway_one(http, model, p, m)}
+    senders = {
+        "direct": lambda p, m: direct_one(grpc_client, model, p, m),
+        "gateway": lambda p, m: gateway_one(http, model, p, m),
+    }
     out: dict[str, list[Round]] = {"direct": [], "gateway": [], "direct lone": [], "gateway lone": []}
     try:
         for name, send in senders.items():  # warm-up: connections, first-request paths
@@ -113,9 +133,11 @@ async def measure(triton: str, gateway: str, model: str, concurrency: int, max_t
 
 
 def report(results: dict[str, list[Round]], concurrency: int, max_tokens: int) -> str:
-    lines = [f"{concurrency} concurrent streams, up to {max_tokens} output tokens each, {len(results['direct'])} rounds; "
-             f"{len(results['direct lone'])} lone one-token requests each (all alternating)",
-             f"{'':13} {'tokens':>8} {'tok/s':>9} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12}"]
+    lines = [
+        f"{concurrency} concurrent streams, up to {max_tokens} output tokens each, {len(results['direct'])} rounds; "
+        f"{len(results['direct lone'])} lone one-token requests each (all alternating)",
+        f"{'':13} {'tokens':>8} {'tok/s':>9} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12}",
+    ]
     summary = {}
     for name, rounds in results.items():
         tokens = sum(r.tokens for r in rounds)
@@ -133,8 +155,11 @@ def report(results: dict[str, list[Round]], concurrency: int, max_tokens: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m trtllm_backend.openai.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m trtllm_backend.openai.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--launch", action="store_true", help="start a tritonserver and a gateway on free ports")
     p.add_argument("--triton", default="localhost:8001", help="Triton gRPC address (without --launch)")
     p.add_argument("--gateway", default="http://localhost:9000", help="gateway URL (without --launch)")
@@ -146,8 +171,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--probes", type=int, default=60, help="lone one-token requests per side")
     args = p.parse_args(argv)
     if not args.launch:
-        results = asyncio.run(measure(args.triton, args.gateway, args.model, args.concurrency, args.max_tokens,
-                                      args.rounds, args.api_key, args.probes))
+        results = asyncio.run(
+            measure(
+                args.triton,
+                args.gateway,
+                args.model,
+                args.concurrency,
+                args.max_tokens,
+                args.rounds,
+                args.api_key,
+                args.probes,
+            )
+        )
         print(report(results, args.concurrency, args.max_tokens))
         return
     from trtllm_backend.triton.server import free_ports, launch
@@ -156,15 +191,32 @@ def main(argv: list[str] | None = None) -> None:
 
     logs = Path(tempfile.mkdtemp(prefix="openai-bench-"))
     http, grpc, metrics, port = free_ports(4)
-    server = launch(ROOT / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
-                    params={"morph_policy": "full", "max_batch_size": str(args.concurrency)},
-                    backend_dir=ROOT / "build" / "backends", build_dir=ROOT / "build",
-                    log_path=logs / "tritonserver.log", ready_timeout=300)
+    server = launch(
+        ROOT / "model_repository",
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        params={"morph_policy": "full", "max_batch_size": str(args.concurrency)},
+        backend_dir=ROOT / "build" / "backends",
+        build_dir=ROOT / "build",
+        log_path=logs / "tritonserver.log",
+        ready_timeout=300,
+    )
     try:
         gateway = start_gateway(f"localhost:{grpc}", port, log_path=logs / "gateway.log")
         try:
-            results = asyncio.run(measure(f"localhost:{grpc}", gateway.url, args.model, args.concurrency,
-                                          args.max_tokens, args.rounds, None, args.probes))
+            results = asyncio.run(
+                measure(
+                    f"localhost:{grpc}",
+                    gateway.url,
+                    args.model,
+                    args.concurrency,
+                    args.max_tokens,
+                    args.rounds,
+                    None,
+                    args.probes,
+                )
+            )
         finally:
             gateway.stop()
     finally:

@@ -1,12 +1,14 @@
 """Errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}) with their HTTP status."""
+
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -27,5 +29,6 @@ def bad_param(param: str, message: str) -> OpenAIError:
 
 
 def unknown_model(name: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"model {name!r} does not exist (this gateway serves {served!r})", param="model",
-                       code="model_not_found")
+    return OpenAIError(
+        404, f"model {name!r} does not exist (this gateway serves {served!r})", param="model", code="model_not_found"
+    )

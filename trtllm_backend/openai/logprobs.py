@@ -5,6 +5,7 @@ legacy shape): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
 echoed prompt's first token has no logprob (null). The values are the model's raw distribution (before the
 sampling transforms: trtllm_backend/logprobs.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,8 +37,10 @@ def _entry(texts: TokenTexts, token_id: int, logprob: float) -> dict:
 
 
 def chat_logprobs(texts: TokenTexts, scored: Scored) -> dict:
-    content = [_entry(texts, t, lp) | {"top_logprobs": [_entry(texts, a, v) for a, v in top or ()]}
-               for t, lp, top in zip(scored.ids, scored.logprobs, scored.top)]
+    content = [
+        _entry(texts, t, lp) | {"top_logprobs": [_entry(texts, a, v) for a, v in top or ()]}
+        for t, lp, top in zip(scored.ids, scored.logprobs, scored.top)
+    ]
     return {"content": content, "refusal": None}
 
 

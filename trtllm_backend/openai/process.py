@@ -1,4 +1,5 @@
 """The gateway as a child process (for the launcher, the tests and the benchmark): start, wait ready, stop."""
+
 from __future__ import annotations
 
 import os
@@ -35,11 +36,28 @@ class GatewayProcess:
         return self.process.returncode
 
 
-def start_gateway(triton_grpc: str, port: int, log_path: Path | None = None, api_key: str | None = None,
-                  extra_args: tuple[str, ...] = (), ready_timeout: float = 60.0, host: str = "127.0.0.1") -> GatewayProcess:
+def start_gateway(
+    triton_grpc: str,
+    port: int,
+    log_path: Path | None = None,
+    api_key: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    ready_timeout: float = 60.0,
+    host: str = "127.0.0.1",
+) -> GatewayProcess:
     """`python -m trtllm_backend.openai` on `port`, returned once /health answers 200 (Triton and model ready)."""
-    cmd = [sys.executable, "-m", "trtllm_backend.openai", "--triton", triton_grpc, "--host", host,
-           "--port", str(port), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trtllm_backend.openai",
+        "--triton",
+        triton_grpc,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     env = dict(os.environ)
     if api_key:
         env[env_vars.OPENAI_GATEWAY_API_KEY.name] = api_key  # not on the command line, where ps would show it

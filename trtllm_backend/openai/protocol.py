@@ -5,6 +5,7 @@ Policy: types are strict (no "5" for 5, no 1 for true), unknown fields are refus
 best_of > 1, tools and function calling, store: true) are refused by name as unsupported rather than ignored;
 every refusal is a 400 naming the field.
 """
+
 from __future__ import annotations
 
 import json
@@ -134,8 +135,10 @@ class GenerationRequest(_Strict):
         if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
             raise bad_param("min_tokens", f"{self.min_tokens} is above {limit_field} ({limit})")
         if self.guide is not None and (self.ignore_eos or self.min_tokens):
-            raise bad_param("ignore_eos" if self.ignore_eos else "min_tokens",
-                            "cannot be combined with response_format (the schema decides where the output ends)")
+            raise bad_param(
+                "ignore_eos" if self.ignore_eos else "min_tokens",
+                "cannot be combined with response_format (the schema decides where the output ends)",
+            )
 
     @property
     def alternatives(self) -> int | None:
@@ -233,7 +236,9 @@ def parse(model: type[GenerationRequest], body: object) -> GenerationRequest:
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", param="body", code="invalid_body")
     for name, why in UNSUPPORTED.items():
-        if body.get(name) is not None:  # NOTE: frameworks send an empty tools list or tool_choice "none" by default: no request
+        if (
+            body.get(name) is not None
+        ):  # NOTE: frameworks send an empty tools list or tool_choice "none" by default: no request
             if body[name] not in ([], "none"):
                 raise OpenAIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
     body = {k: v for k, v in body.items() if k not in UNSUPPORTED}

@@ -3,6 +3,7 @@
 Read from the fragment manifest and tokenizer file by this small loader, so the gateway needs neither the
 engine nor its weights: only `manifest.json` and `tokenizer.json`.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,11 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
         except jinja2.TemplateError as exc:  # raise_exception() in the template: the conversation is refused
             raise bad_param("messages", f"the model's chat template refused them: {exc}") from None

@@ -4,6 +4,7 @@ A byte-level BPE token is a run of bytes that need not be whole UTF-8 characters
 are read from its vocabulary entry (GPT-2's byte-to-character map, inverted) and its string is those bytes
 decoded with U+FFFD for a partial character, as OpenAI reports such tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,9 @@ from tokenizers import Tokenizer
 
 def _bytes_of_chars() -> dict[str, int]:
     """GPT-2's map from the printable characters of a byte-level vocabulary back to bytes."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

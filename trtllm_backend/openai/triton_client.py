@@ -4,6 +4,7 @@ Every request is sent with stream=true, so the gateway sees each piece as the en
 non-streaming OpenAI answer is those pieces joined. Closing the call early (client gone) cancels the
 stream, which Triton marks as cancelled and the model aborts (its KV blocks freed within an iteration).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,9 +74,12 @@ _INPUTS = {
     "min_length": ("min_tokens", "INT32", np.int32),
     "priority": ("priority", "INT32", np.int32),
 }
-OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {"stop_words": "stop", "top_logprobs": "logprobs",
-                                                                    "guided_decoding_guide": "response_format",
-                                                                    "guided_decoding_guide_type": "response_format"}
+OPENAI_NAME = {name: field for name, (field, _, _) in _INPUTS.items()} | {
+    "stop_words": "stop",
+    "top_logprobs": "logprobs",
+    "guided_decoding_guide": "response_format",
+    "guided_decoding_guide_type": "response_format",
+}
 
 
 def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
@@ -86,8 +90,10 @@ def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
 
 def build_inputs(gen: Generation) -> list[InferInput]:
     """Tensors as TensorRT-LLM clients send them (shape [1, 1]); unset fields are left to the model."""
-    tensors = [_tensor("text_input", np.array([[gen.prompt.encode()]], dtype=np.object_), "BYTES"),
-               _tensor("stream", np.array([[True]]), "BOOL")]
+    tensors = [
+        _tensor("text_input", np.array([[gen.prompt.encode()]], dtype=np.object_), "BYTES"),
+        _tensor("stream", np.array([[True]]), "BOOL"),
+    ]
     for name, (attr, datatype, dtype) in _INPUTS.items():
         value = getattr(gen, attr)
         if value is not None:
@@ -137,8 +143,12 @@ class TritonBackend:
     async def generate(self, gen: Generation, prompt_field: str, limit_field: str) -> AsyncIterator[Piece]:
         """Pieces until the final one; an OpenAIError for a refused or failed request."""
         done = asyncio.Event()
-        request = {"model_name": self.model, "inputs": build_inputs(gen), "request_id": f"oai-{next(_ids)}",
-                   "parameters": {"triton_enable_empty_final_response": True}}
+        request = {
+            "model_name": self.model,
+            "inputs": build_inputs(gen),
+            "request_id": f"oai-{next(_ids)}",
+            "parameters": {"triton_enable_empty_final_response": True},
+        }
 
         async def requests():
             yield request
@@ -157,9 +167,13 @@ class TritonBackend:
                 if finished:
                     return
         except InferenceServerException as exc:  # the call itself failed (server unreachable)
-            raise OpenAIError(503, f"Triton at {self.url} is unavailable: {exc.message()}", code="triton_unavailable") from None
+            raise OpenAIError(
+                503, f"Triton at {self.url} is unavailable: {exc.message()}", code="triton_unavailable"
+            ) from None
         except grpc.RpcError as exc:
-            raise OpenAIError(503, f"Triton at {self.url} is unavailable: {exc.details()}", code="triton_unavailable") from None
+            raise OpenAIError(
+                503, f"Triton at {self.url} is unavailable: {exc.details()}", code="triton_unavailable"
+            ) from None
         finally:
             done.set()
             if not finished:  # the client went away (or we failed): cancel the request in Triton
@@ -173,19 +187,23 @@ def _piece(result) -> Piece:
         return Piece("", 0, final=True)
     reason = result.as_numpy("finish_reason")
     prompt, cached = result.as_numpy("prompt_token_count"), result.as_numpy("prompt_cached_token_count")
-    piece = Piece(text=text.reshape(-1)[0].decode("utf-8"),
-                  tokens=int(result.as_numpy("output_token_count").reshape(-1)[0]),
-                  final=final,
-                  finish_reason=(reason.reshape(-1)[0].decode() or None) if reason is not None else None,
-                  prompt_tokens=int(prompt.reshape(-1)[0]) if prompt is not None else 0,
-                  cached_tokens=int(cached.reshape(-1)[0]) if cached is not None else 0)
+    piece = Piece(
+        text=text.reshape(-1)[0].decode("utf-8"),
+        tokens=int(result.as_numpy("output_token_count").reshape(-1)[0]),
+        final=final,
+        finish_reason=(reason.reshape(-1)[0].decode() or None) if reason is not None else None,
+        prompt_tokens=int(prompt.reshape(-1)[0]) if prompt is not None else 0,
+        cached_tokens=int(cached.reshape(-1)[0]) if cached is not None else 0,
+    )
     if (ids := result.as_numpy("output_ids")) is not None:
         piece.token_ids = ids.reshape(-1).tolist()
         piece.logprobs = result.as_numpy("output_log_probs").reshape(-1).tolist()
         piece.top = _alternatives(result, "output_top_ids", "output_top_logprobs", len(piece.token_ids))
     if (ids := result.as_numpy("prompt_ids")) is not None:
         piece.prompt_ids = ids.reshape(-1).tolist()
-        piece.prompt_logprobs = [None if np.isnan(v) else v for v in result.as_numpy("prompt_log_probs").reshape(-1).tolist()]
+        piece.prompt_logprobs = [
+            None if np.isnan(v) else v for v in result.as_numpy("prompt_log_probs").reshape(-1).tolist()
+        ]
         piece.prompt_top = _alternatives(result, "prompt_top_ids", "prompt_top_logprobs", len(piece.prompt_ids))
     return piece
 

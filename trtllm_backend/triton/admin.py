@@ -13,6 +13,7 @@ never the key (unless asked with --print-admin-key). `open_admin` keeps the old 
 NOTE: Triton takes the key on its command line, so a local user who can list processes can read it there; the
 restriction guards the network, not the host.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,7 +53,9 @@ def open_from_env(env: dict[str, str] | None = None) -> bool:
 
 def check_key(key: str) -> str:
     if not key or any(c in key for c in ":,= \t\n") or not key.isprintable():
-        raise ValueError(f"${ADMIN_KEY_ENV}: the admin key must be non-empty, printable, without spaces, ':', ',' or '='")
+        raise ValueError(
+            f"${ADMIN_KEY_ENV}: the admin key must be non-empty, printable, without spaces, ':', ',' or '='"
+        )
     return key
 
 
@@ -98,8 +101,10 @@ def write_key_file(path: Path, key: str) -> Path:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise PermissionError(f"{folder}: not a private folder of this user: cannot keep the admin key there "
-                              f"(choose another with --admin-key-file or ${KEY_FILE_ENV})")
+        raise PermissionError(
+            f"{folder}: not a private folder of this user: cannot keep the admin key there "
+            f"(choose another with --admin-key-file or ${KEY_FILE_ENV})"
+        )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT

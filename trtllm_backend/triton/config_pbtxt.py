@@ -3,6 +3,7 @@
 Only the `parameters { key: ... value: { string_value: ... } }` entries are touched; the rest of the file is
 kept byte for byte (no protobuf round trip that would drop comments).
 """
+
 from __future__ import annotations
 
 import re
@@ -13,7 +14,8 @@ from . import params as triton_params
 
 _PARAM_RE = re.compile(
     r'parameters\s*:?\s*\{\s*key\s*:\s*"(?P<key>[^"]+)"\s*'
-    r'value\s*:?\s*\{\s*string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}')
+    r'value\s*:?\s*\{\s*string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}'
+)
 
 
 def read_parameters(pbtxt: str) -> dict[str, str]:
@@ -30,7 +32,7 @@ def set_parameters(pbtxt: str, updates: dict[str, str]) -> str:
         start, end = m.span("value")
         text = m.group(0)
         offset = m.start()
-        return text[: start - offset] + _escape(pending.pop(m["key"])) + text[end - offset:]
+        return text[: start - offset] + _escape(pending.pop(m["key"])) + text[end - offset :]
 
     out = _PARAM_RE.sub(edit, pbtxt)
     for key, value in pending.items():

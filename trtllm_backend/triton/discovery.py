@@ -4,6 +4,7 @@
 installed nvidia-pytriton wheel (Triton 2.51). The stub imports the project from the environment it runs in:
 the venv's editable install locally, a `.pth` file in the Docker images (no path is added here).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,9 +40,12 @@ def find_triton() -> TritonInstall:
 def pytriton_install(root: Path) -> TritonInstall:
     """The parts of the server vendored in nvidia-pytriton under `root`; a missing one is named."""
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    install = TritonInstall(server=root / "bin" / "tritonserver", backend_dir=None,
-                            python_backend=root / "backends" / "python",
-                            stub=root / "python_backend_stubs" / pyver / "triton_python_backend_stub")
+    install = TritonInstall(
+        server=root / "bin" / "tritonserver",
+        backend_dir=None,
+        python_backend=root / "backends" / "python",
+        stub=root / "python_backend_stubs" / pyver / "triton_python_backend_stub",
+    )
     for path in (install.server, install.python_backend, install.stub):
         if not path.exists():
             raise RuntimeError(f"nvidia-pytriton install is incomplete: {path} is missing")
@@ -55,8 +59,11 @@ def prepare_backend_dir(install: TritonInstall, dest: Path) -> Path:
         return install.backend_dir
     py = dest / "python"
     py.mkdir(parents=True, exist_ok=True)
-    for src in (install.python_backend / "libtriton_python.so",
-                install.python_backend / "triton_python_backend_utils.py", install.stub):
+    for src in (
+        install.python_backend / "libtriton_python.so",
+        install.python_backend / "triton_python_backend_utils.py",
+        install.stub,
+    ):
         link = py / src.name
         if link.is_symlink() or link.exists():
             if link.is_symlink() and link.resolve() == src.resolve():

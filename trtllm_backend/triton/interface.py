@@ -10,6 +10,7 @@ backend defines is served or refused by name (LoRA, images, named logits process
 Used by model.py, by tests, and to generate the tables of docs/configuration.md
 (`python -m trtllm_backend.triton.interface`).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,60 +55,178 @@ def _in(trtllm, llmapi, kind, dtype, field=None, doc="", refused=None) -> InputS
 S, I32, U64, F32, B = "TYPE_STRING", "TYPE_INT32", "TYPE_UINT64", "TYPE_FP32", "TYPE_BOOL"
 INPUTS = (
     _in("text_input", "text_input", "text", S, doc="The prompt, raw UTF-8 text (no chat template is applied)."),
-    _in("max_tokens", "sampling_param_max_tokens", "int", I32, "max_tokens", "Most tokens to generate (default: `default_max_tokens`)."),
+    _in(
+        "max_tokens",
+        "sampling_param_max_tokens",
+        "int",
+        I32,
+        "max_tokens",
+        "Most tokens to generate (default: `default_max_tokens`).",
+    ),
     _in("stream", "streaming", "bool", B, doc="true: a response every token as it is made; false: one final response."),
-    _in("temperature", "sampling_param_temperature", "float", F32, "temperature", "0 = greedy (default: `default_temperature`)."),
+    _in(
+        "temperature",
+        "sampling_param_temperature",
+        "float",
+        F32,
+        "temperature",
+        "0 = greedy (default: `default_temperature`).",
+    ),
     _in("top_k", "sampling_param_top_k", "int", I32, "top_k", "0 = no cut (default: `default_top_k`)."),
     _in("top_p", "sampling_param_top_p", "float", F32, "top_p", "In (0, 1] (default: `default_top_p`)."),
-    _in("random_seed", "sampling_param_seed", "int", U64, "seed", "Seed of this request's sampler (reproducible sampling)."),
+    _in(
+        "random_seed",
+        "sampling_param_seed",
+        "int",
+        U64,
+        "seed",
+        "Seed of this request's sampler (reproducible sampling).",
+    ),
     _in("seed", None, "int", U64, "seed", "The same, under the name of Triton's OpenAI frontend."),
-    _in("frequency_penalty", "sampling_param_frequency_penalty", "float", F32, "frequency_penalty",
-        "In [-2, 2]: each logit lowered by this times the token's count in the output so far (OpenAI's rule)."),
-    _in("presence_penalty", "sampling_param_presence_penalty", "float", F32, "presence_penalty",
-        "In [-2, 2]: each logit of a token already in the output lowered by this."),
-    _in("stop_words", "sampling_param_stop", "texts", S, "stop", "Strings that end the output (not included); empty entries are ignored."),
-    _in("exclude_input_in_output", "sampling_param_exclude_input_from_output", "bool", B,
+    _in(
+        "frequency_penalty",
+        "sampling_param_frequency_penalty",
+        "float",
+        F32,
+        "frequency_penalty",
+        "In [-2, 2]: each logit lowered by this times the token's count in the output so far (OpenAI's rule).",
+    ),
+    _in(
+        "presence_penalty",
+        "sampling_param_presence_penalty",
+        "float",
+        F32,
+        "presence_penalty",
+        "In [-2, 2]: each logit of a token already in the output lowered by this.",
+    ),
+    _in(
+        "stop_words",
+        "sampling_param_stop",
+        "texts",
+        S,
+        "stop",
+        "Strings that end the output (not included); empty entries are ignored.",
+    ),
+    _in(
+        "exclude_input_in_output",
+        "sampling_param_exclude_input_from_output",
+        "bool",
+        B,
         doc="false: the output starts with the prompt. Default: `stream` under the TensorRT-engine names, true under "
-            "the LLM-API names (the LLM API's text is the generated text)."),
-    _in("min_length", None, "int", I32, "min_tokens", "End-of-sequence and stop words are ignored before this many tokens."),
+        "the LLM-API names (the LLM API's text is the generated text).",
+    ),
+    _in(
+        "min_length",
+        None,
+        "int",
+        I32,
+        "min_tokens",
+        "End-of-sequence and stop words are ignored before this many tokens.",
+    ),
     _in("beam_width", None, "int", I32, doc="Accepted for TensorRT-LLM clients; only 1 is supported."),
-    _in("priority", None, "int", I32, "priority", "In [-10, 10], lower is more important (vLLM's `priority`): "
-        "admitted first, preempted last (default 0)."),
+    _in(
+        "priority",
+        None,
+        "int",
+        I32,
+        "priority",
+        "In [-10, 10], lower is more important (vLLM's `priority`): admitted first, preempted last (default 0).",
+    ),
     _in(None, "sampling_param_best_of", "int", I32, doc="Accepted for LLM-API clients; only 1 is supported."),
-    _in("return_log_probs", None, "bool", B, doc="true: `output_log_probs` and `cum_log_probs` (log_softmax of the raw "
-        "logits, before penalties, temperature, top-k/p and masks)."),
-    _in("top_logprobs", None, "int", I32, doc="In [0, 20]: also the this many most likely tokens of each position "
-        "(`output_top_logprobs`, `output_top_ids`); implies `return_log_probs`."),
-    _in("return_prompt_log_probs", None, "bool", B, doc="true: the prompt tokens' logprobs too (`prompt_ids`, "
-        "`prompt_log_probs`, and with `top_logprobs` the alternatives), on the first response."),
-    _in("guided_decoding_guide_type", None, "text", S, doc="Structured output: `json` (any JSON object), `json_schema`, "
+    _in(
+        "return_log_probs",
+        None,
+        "bool",
+        B,
+        doc="true: `output_log_probs` and `cum_log_probs` (log_softmax of the raw "
+        "logits, before penalties, temperature, top-k/p and masks).",
+    ),
+    _in(
+        "top_logprobs",
+        None,
+        "int",
+        I32,
+        doc="In [0, 20]: also the this many most likely tokens of each position "
+        "(`output_top_logprobs`, `output_top_ids`); implies `return_log_probs`.",
+    ),
+    _in(
+        "return_prompt_log_probs",
+        None,
+        "bool",
+        B,
+        doc="true: the prompt tokens' logprobs too (`prompt_ids`, "
+        "`prompt_log_probs`, and with `top_logprobs` the alternatives), on the first response.",
+    ),
+    _in(
+        "guided_decoding_guide_type",
+        None,
+        "text",
+        S,
+        doc="Structured output: `json` (any JSON object), `json_schema`, "
         "`regex` or `ebnf_grammar` (GBNF or Lark; `lark` is the same); the output is constrained to match "
-        "`guided_decoding_guide`."),
-    _in("guided_decoding_guide", None, "text", S, doc="The schema (JSON text), regular expression or grammar; "
-        "not needed for `json`."),
+        "`guided_decoding_guide`.",
+    ),
+    _in(
+        "guided_decoding_guide",
+        None,
+        "text",
+        S,
+        doc="The schema (JSON text), regular expression or grammar; not needed for `json`.",
+    ),
     _in(None, "return_finish_reason", "bool", B, doc="Accepted: `finish_reason` is always returned."),
     _in(None, "return_stop_reason", "bool", B, doc="true: `stop_reason`, the stop string that ended the output."),
     _in(None, "return_cumulative_logprob", "bool", B, doc="true: `cumulative_logprob` of the generated tokens."),
-    _in(None, "sampling_param_return_perf_metrics", "bool", B,
-        doc="true: the KV reuse counts, the request's timing (`*_time_ns`) and the draft-token counts."),
-    _in("stop", "stop", "bool", B, doc="true: cancel the in-flight request with the same request id (no `text_input` needed)."),
+    _in(
+        None,
+        "sampling_param_return_perf_metrics",
+        "bool",
+        B,
+        doc="true: the KV reuse counts, the request's timing (`*_time_ns`) and the draft-token counts.",
+    ),
+    _in(
+        "stop",
+        "stop",
+        "bool",
+        B,
+        doc="true: cancel the in-flight request with the same request id (no `text_input` needed).",
+    ),
     _in(None, "lora_id", "int", U64, refused="LoRA adapters are not supported"),
     _in(None, "lora_name", "text", S, refused="LoRA adapters are not supported"),
     _in(None, "lora_path", "text", S, refused="LoRA adapters are not supported"),
     _in(None, "lora_ckpt_source", "text", S, refused="LoRA adapters are not supported"),
     _in(None, "image_url", "texts", S, refused="the model is text-only"),
-    _in(None, "sampling_param_logits_post_processor_name", "text", S, refused="no logits post-processors are configured"),
+    _in(
+        None, "sampling_param_logits_post_processor_name", "text", S, refused="no logits post-processors are configured"
+    ),
 )
 BY_NAME = {name: spec for spec in INPUTS for name in spec.names}
 LLMAPI_ONLY = frozenset(s.llmapi for s in INPUTS if s.llmapi and s.llmapi != s.trtllm)
 # Engine/SamplingParams field -> the TensorRT-engine input name, so an engine error names an input.
-INPUT_OF_FIELD = {"max_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                  "seed": "random_seed", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-                  "min_tokens": "min_length", "stop": "stop_words", "logprobs": "top_logprobs",
-                  "prompt_logprobs": "top_logprobs", "prompt": "text_input", "text": "text_input",
-                  "guide": "guided_decoding_guide", "priority": "priority"}
+INPUT_OF_FIELD = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "random_seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "min_tokens": "min_length",
+    "stop": "stop_words",
+    "logprobs": "top_logprobs",
+    "prompt_logprobs": "top_logprobs",
+    "prompt": "text_input",
+    "text": "text_input",
+    "guide": "guided_decoding_guide",
+    "priority": "priority",
+}
 # guided_decoding_guide_type -> the engine's Guide type (TensorRT-LLM's names; structural_tag is not served)
-GUIDE_TYPES = {"json": "json", "json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar", "lark": "grammar"}
+GUIDE_TYPES = {
+    "json": "json",
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf_grammar": "grammar",
+    "lark": "grammar",
+}
 
 
 def _bad(name: str, message: str) -> InvalidRequest:
@@ -239,17 +358,39 @@ class OutputSpec:
 
 
 OUTPUTS = (
-    OutputSpec("text_output", S, "-1", "The text of this response: the new text when streaming (the whole text so far "
-               "under the LLM-API names), the whole output otherwise."),
+    OutputSpec(
+        "text_output",
+        S,
+        "-1",
+        "The text of this response: the new text when streaming (the whole text so far "
+        "under the LLM-API names), the whole output otherwise.",
+    ),
     OutputSpec("output_token_count", I32, "1", "Tokens in this response."),
-    OutputSpec("int4_layers", I32, "-1", "For each of those tokens, how many decoder layers ran quantized (INT4) when it was made."),
+    OutputSpec(
+        "int4_layers",
+        I32,
+        "-1",
+        "For each of those tokens, how many decoder layers ran quantized (INT4) when it was made.",
+    ),
     OutputSpec("prompt_token_count", I32, "1", "The prompt's tokens as the engine counted them."),
-    OutputSpec("prompt_cached_token_count", I32, "1", "Of those, the tokens whose KV came from the prefix cache (not prefilled)."),
-    OutputSpec("finish_reason", S, "1", "`stop` (end of sequence or a stop word) or `length` on the final response; empty before it."),
+    OutputSpec(
+        "prompt_cached_token_count",
+        I32,
+        "1",
+        "Of those, the tokens whose KV came from the prefix cache (not prefilled).",
+    ),
+    OutputSpec(
+        "finish_reason",
+        S,
+        "1",
+        "`stop` (end of sequence or a stop word) or `length` on the final response; empty before it.",
+    ),
     OutputSpec("output_ids", I32, "-1", "With log probs: this response's token ids."),
     OutputSpec("output_log_probs", F32, "-1", "With log probs: each token's logprob."),
     OutputSpec("cum_log_probs", F32, "1", "With log probs: their sum over the whole output so far."),
-    OutputSpec("output_top_logprobs", F32, "-1, -1", "With top_logprobs k: [tokens, k] logprobs of the most likely tokens."),
+    OutputSpec(
+        "output_top_logprobs", F32, "-1, -1", "With top_logprobs k: [tokens, k] logprobs of the most likely tokens."
+    ),
     OutputSpec("output_top_ids", I32, "-1, -1", "With top_logprobs k: their token ids."),
     OutputSpec("prompt_ids", I32, "-1", "With prompt log probs (first response): the prompt's token ids."),
     OutputSpec("prompt_log_probs", F32, "-1", "Their logprobs (NaN for the first token: it has no context)."),
@@ -257,12 +398,19 @@ OUTPUTS = (
     OutputSpec("prompt_top_ids", I32, "-1, -1", "Their token ids (-1 for the first)."),
     OutputSpec("stop_reason", S, "1", "With return_stop_reason: the stop string that ended the output, else empty."),
     OutputSpec("cumulative_logprob", F32, "1", "With return_cumulative_logprob: the generated tokens' summed logprob."),
-    OutputSpec("kv_cache_reused_block", I32, "1", "Perf metrics: prompt KV blocks found in a cache (0: no prefix cache yet)."),
+    OutputSpec(
+        "kv_cache_reused_block", I32, "1", "Perf metrics: prompt KV blocks found in a cache (0: no prefix cache yet)."
+    ),
     OutputSpec("kv_cache_missed_block", I32, "1", "Perf metrics: prompt KV blocks computed."),
     OutputSpec("kv_cache_alloc_new_blocks", I32, "1", "Perf metrics: KV blocks allocated for this request."),
     OutputSpec("kv_cache_alloc_total_blocks", I32, "1", "Perf metrics: KV blocks it holds."),
     OutputSpec("kv_cache_hit_rate", F32, "1", "Perf metrics: reused / prompt blocks."),
-    OutputSpec("arrival_time_ns", "TYPE_INT64", "1", "Perf metrics: arrival, CLOCK_MONOTONIC nanoseconds (as the LLM API's steady clock)."),
+    OutputSpec(
+        "arrival_time_ns",
+        "TYPE_INT64",
+        "1",
+        "Perf metrics: arrival, CLOCK_MONOTONIC nanoseconds (as the LLM API's steady clock).",
+    ),
     OutputSpec("first_scheduled_time_ns", "TYPE_INT64", "1", "Perf metrics: first schedule (0: not yet)."),
     OutputSpec("first_token_time_ns", "TYPE_INT64", "1", "Perf metrics: first token (0: not yet)."),
     OutputSpec("last_token_time_ns", "TYPE_INT64", "1", "Perf metrics: latest token (0: not yet)."),
@@ -329,7 +477,9 @@ def response_outputs(piece: Piece, returns: Returns, total_output_tokens: int | 
     """The output tensors of one response (name -> array with the batch dimension of 1)."""
     out = {
         "text_output": _scalar(piece.text.encode("utf-8"), np.object_),
-        "output_token_count": _scalar(total_output_tokens if total_output_tokens is not None else len(piece.token_ids), np.int32),
+        "output_token_count": _scalar(
+            total_output_tokens if total_output_tokens is not None else len(piece.token_ids), np.int32
+        ),
         "int4_layers": _row(piece.int4_layers, np.int32),
         "prompt_token_count": _scalar(piece.num_prompt_tokens, np.int32),
         "prompt_cached_token_count": _scalar(piece.kv_reuse.reused_tokens if piece.kv_reuse else 0, np.int32),
@@ -353,18 +503,20 @@ def response_outputs(piece: Piece, returns: Returns, total_output_tokens: int | 
         out["cumulative_logprob"] = _scalar(piece.cumulative_logprob or 0.0, np.float32)
     if returns.perf_metrics:
         kv, t = piece.kv_reuse or KVReuse(), piece.timings
-        out |= {"kv_cache_reused_block": _scalar(kv.reused_blocks, np.int32),
-                "kv_cache_missed_block": _scalar(kv.missed_blocks, np.int32),
-                "kv_cache_alloc_new_blocks": _scalar(kv.new_blocks, np.int32),
-                "kv_cache_alloc_total_blocks": _scalar(kv.total_blocks, np.int32),
-                "kv_cache_hit_rate": _scalar(kv.hit_rate, np.float32),
-                "arrival_time_ns": _scalar(_ns(t.arrival if t else None), np.int64),
-                "first_scheduled_time_ns": _scalar(_ns(t.scheduled if t else None), np.int64),
-                "first_token_time_ns": _scalar(_ns(t.first_token if t else None), np.int64),
-                "last_token_time_ns": _scalar(_ns(t.last_token if t else None), np.int64),
-                "acceptance_rate": _scalar(0.0, np.float32),
-                "total_accepted_draft_tokens": _scalar(0, np.int32),
-                "total_draft_tokens": _scalar(0, np.int32)}
+        out |= {
+            "kv_cache_reused_block": _scalar(kv.reused_blocks, np.int32),
+            "kv_cache_missed_block": _scalar(kv.missed_blocks, np.int32),
+            "kv_cache_alloc_new_blocks": _scalar(kv.new_blocks, np.int32),
+            "kv_cache_alloc_total_blocks": _scalar(kv.total_blocks, np.int32),
+            "kv_cache_hit_rate": _scalar(kv.hit_rate, np.float32),
+            "arrival_time_ns": _scalar(_ns(t.arrival if t else None), np.int64),
+            "first_scheduled_time_ns": _scalar(_ns(t.scheduled if t else None), np.int64),
+            "first_token_time_ns": _scalar(_ns(t.first_token if t else None), np.int64),
+            "last_token_time_ns": _scalar(_ns(t.last_token if t else None), np.int64),
+            "acceptance_rate": _scalar(0.0, np.float32),
+            "total_accepted_draft_tokens": _scalar(0, np.int32),
+            "total_draft_tokens": _scalar(0, np.int32),
+        }
     return out
 
 
@@ -377,8 +529,10 @@ def markdown_tables() -> str:
     for s in INPUTS:
         meaning = f"Refused by name: {s.refused}." if s.refused else s.doc
         shape = "[1, n]" if s.dims == "-1" else "[1, 1]"
-        rows.append(f"| {f'`{s.trtllm}`' if s.trtllm else '-'} | {f'`{s.llmapi}`' if s.llmapi else '-'} | "
-                    f"{_TYPES[s.dtype]} | {shape} | {meaning} |")
+        rows.append(
+            f"| {f'`{s.trtllm}`' if s.trtllm else '-'} | {f'`{s.llmapi}`' if s.llmapi else '-'} | "
+            f"{_TYPES[s.dtype]} | {shape} | {meaning} |"
+        )
     rows += ["", "| Output | Type | Shape | Meaning |", "|---|---|---|---|"]
     for o in OUTPUTS:
         shape = {"1": "[1, 1]", "-1": "[1, n]", "-1, -1": "[1, n, k]"}[o.dims]

@@ -4,6 +4,7 @@ Gauges and engine counters are refreshed from `engine.stats()` by the glue's met
 histograms and `morphserve_requests_total` are updated when a request finishes. `pb_utils` is passed in, so
 this module imports without Triton (unit tests hand it a fake).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -55,70 +56,134 @@ class TritonMetrics:
         self._labels = dict(labels)
         # NOTE: keep every family: a collected MetricFamily makes every later update of its metrics fail.
         self.families: dict[str, Any] = {}
-        gauge, counter, hist = (pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER,
-                                pb_utils.MetricFamily.HISTOGRAM)
+        gauge, counter, hist = (
+            pb_utils.MetricFamily.GAUGE,
+            pb_utils.MetricFamily.COUNTER,
+            pb_utils.MetricFamily.HISTOGRAM,
+        )
 
-        self.requests = self._gauges("morphserve_requests", "Requests by state (active = held by the model)",
-                                     "state", ("active", "waiting", "scheduled"))
-        self.kv_blocks = self._gauges("morphserve_kv_cache_blocks", "KV-cache blocks (free includes cached: cached prefix "
-                                      "blocks no request holds)", "type", ("max", "used", "free", "cached"))
+        self.requests = self._gauges(
+            "morphserve_requests",
+            "Requests by state (active = held by the model)",
+            "state",
+            ("active", "waiting", "scheduled"),
+        )
+        self.kv_blocks = self._gauges(
+            "morphserve_kv_cache_blocks",
+            "KV-cache blocks (free includes cached: cached prefix blocks no request holds)",
+            "type",
+            ("max", "used", "free", "cached"),
+        )
         self.kv_usage = _Gauge(self._single("morphserve_kv_cache_usage_ratio", "Used / max KV-cache blocks", gauge))
         self.int4_layers = _Gauge(self._single("morphserve_int4_layers", "Decoder layers running quantized", gauge))
-        self.lm_head_int8 = _Gauge(self._single("morphserve_lm_head_int8",
-                                                "1 while the tied embedding / LM head runs from its INT8 fragment", gauge))
-        self.kv_capacity = _Gauge(self._single("morphserve_kv_capacity_blocks",
-                                               "KV-cache blocks of the configured pool at full precision", gauge))
-        self.memory = self._gauges("morphserve_memory_bytes", "Memory budget and resident bytes", "type",
-                                   ("budget", "used"))
+        self.lm_head_int8 = _Gauge(
+            self._single(
+                "morphserve_lm_head_int8", "1 while the tied embedding / LM head runs from its INT8 fragment", gauge
+            )
+        )
+        self.kv_capacity = _Gauge(
+            self._single(
+                "morphserve_kv_capacity_blocks", "KV-cache blocks of the configured pool at full precision", gauge
+            )
+        )
+        self.memory = self._gauges(
+            "morphserve_memory_bytes", "Memory budget and resident bytes", "type", ("budget", "used")
+        )
 
         self.preemptions = _Counter(self._single("morphserve_preemptions_total", "Preempted requests", counter))
-        self.prompt_tokens = _Counter(self._single("morphserve_prompt_tokens_total", "Prefilled prompt tokens",
-                                                   counter))
-        self.generation_tokens = _Counter(self._single("morphserve_generation_tokens_total", "Generated tokens",
-                                                       counter))
-        self.requests_total = self._labelled("morphserve_requests_total", "Finished requests by status", counter,
-                                             "status", REQUEST_STATUSES)
-        swaps = self._labelled("morphserve_layer_swaps_total", "Unit swaps (down = layers to INT4, the LM head to INT8)", counter, "direction",
-                               ("down", "up"))
+        self.prompt_tokens = _Counter(
+            self._single("morphserve_prompt_tokens_total", "Prefilled prompt tokens", counter)
+        )
+        self.generation_tokens = _Counter(
+            self._single("morphserve_generation_tokens_total", "Generated tokens", counter)
+        )
+        self.requests_total = self._labelled(
+            "morphserve_requests_total", "Finished requests by status", counter, "status", REQUEST_STATUSES
+        )
+        swaps = self._labelled(
+            "morphserve_layer_swaps_total",
+            "Unit swaps (down = layers to INT4, the LM head to INT8)",
+            counter,
+            "direction",
+            ("down", "up"),
+        )
         self.swaps = {k: _Counter(m) for k, m in swaps.items()}
-        resizes = self._labelled("morphserve_kv_resizes_total", "KV-cache resizes", counter, "direction",
-                                 ("grow", "shrink"))
+        resizes = self._labelled(
+            "morphserve_kv_resizes_total", "KV-cache resizes", counter, "direction", ("grow", "shrink")
+        )
         self.resizes = {k: _Counter(m) for k, m in resizes.items()}
         self.swap_failures = _Counter(self._single("morphserve_swap_failures_total", "Failed layer swaps", counter))
-        self.restores_called_off = _Counter(self._single(
-            "morphserve_restores_called_off_total", "Restores called off because pressure returned mid-restore (units not yet restored stay quantized)", counter))
-        self.invariant_violations = _Counter(self._single(
-            "morphserve_invariant_violations_total", "Broken engine invariants seen (one per line per iteration)", counter))
+        self.restores_called_off = _Counter(
+            self._single(
+                "morphserve_restores_called_off_total",
+                "Restores called off because pressure returned mid-restore (units not yet restored stay quantized)",
+                counter,
+            )
+        )
+        self.invariant_violations = _Counter(
+            self._single(
+                "morphserve_invariant_violations_total",
+                "Broken engine invariants seen (one per line per iteration)",
+                counter,
+            )
+        )
 
-        lookups = self._labelled("morphserve_prefix_cache_blocks_total", "Full prompt blocks looked up in the prefix "
-                                 "cache at admission, by result", counter, "result", ("hit", "miss"))
+        lookups = self._labelled(
+            "morphserve_prefix_cache_blocks_total",
+            "Full prompt blocks looked up in the prefix cache at admission, by result",
+            counter,
+            "result",
+            ("hit", "miss"),
+        )
         self.prefix_lookups = {k: _Counter(m) for k, m in lookups.items()}
-        self.prefix_reused_tokens = _Counter(self._single(
-            "morphserve_prefix_cache_reused_tokens_total", "Prompt tokens not prefilled thanks to the prefix cache", counter))
-        self.prefix_evictions = _Counter(self._single(
-            "morphserve_prefix_cache_evictions_total", "Cached prefix blocks evicted (least recently used first)", counter))
-        self.prefix_hit_rate = _Gauge(self._single(
-            "morphserve_prefix_cache_hit_rate", "Prefix cache hits / full prompt blocks looked up, since start", gauge))
+        self.prefix_reused_tokens = _Counter(
+            self._single(
+                "morphserve_prefix_cache_reused_tokens_total",
+                "Prompt tokens not prefilled thanks to the prefix cache",
+                counter,
+            )
+        )
+        self.prefix_evictions = _Counter(
+            self._single(
+                "morphserve_prefix_cache_evictions_total",
+                "Cached prefix blocks evicted (least recently used first)",
+                counter,
+            )
+        )
+        self.prefix_hit_rate = _Gauge(
+            self._single(
+                "morphserve_prefix_cache_hit_rate",
+                "Prefix cache hits / full prompt blocks looked up, since start",
+                gauge,
+            )
+        )
         # Per priority class (the priority input): created when a class is first seen.
-        self._waiting_family = self._family("morphserve_requests_waiting_by_priority", "Waiting requests by priority",
-                                            gauge)
-        self._class_ttft_family = self._family("morphserve_priority_time_to_first_token_seconds",
-                                               "Time to first token by priority", hist)
-        self._class_queue_family = self._family("morphserve_priority_request_queue_time_seconds",
-                                                "Time from arrival to first schedule by priority", hist)
+        self._waiting_family = self._family(
+            "morphserve_requests_waiting_by_priority", "Waiting requests by priority", gauge
+        )
+        self._class_ttft_family = self._family(
+            "morphserve_priority_time_to_first_token_seconds", "Time to first token by priority", hist
+        )
+        self._class_queue_family = self._family(
+            "morphserve_priority_request_queue_time_seconds", "Time from arrival to first schedule by priority", hist
+        )
         self._classes: dict[int, tuple[_Gauge, Any, Any]] = {}
-        self.ttft = self._single("morphserve_time_to_first_token_seconds", "Time to first token", hist,
-                                 LATENCY_BUCKETS)
-        self.tpot = self._single("morphserve_time_per_output_token_seconds", "Time per output token after the first",
-                                 hist, TPOT_BUCKETS)
-        self.e2e = self._single("morphserve_e2e_request_latency_seconds", "End-to-end request latency", hist,
-                                E2E_BUCKETS)
-        self.queue_time = self._single("morphserve_request_queue_time_seconds", "Time from arrival to first schedule",
-                                       hist, LATENCY_BUCKETS)
-        self.swap_prepare = self._single("morphserve_swap_prepare_seconds", "Layer swap preparation (background)",
-                                         hist, SWAP_BUCKETS)
-        self.swap_apply = self._single("morphserve_swap_apply_seconds", "Layer swap application (iteration boundary)",
-                                       hist, SWAP_BUCKETS)
+        self.ttft = self._single("morphserve_time_to_first_token_seconds", "Time to first token", hist, LATENCY_BUCKETS)
+        self.tpot = self._single(
+            "morphserve_time_per_output_token_seconds", "Time per output token after the first", hist, TPOT_BUCKETS
+        )
+        self.e2e = self._single(
+            "morphserve_e2e_request_latency_seconds", "End-to-end request latency", hist, E2E_BUCKETS
+        )
+        self.queue_time = self._single(
+            "morphserve_request_queue_time_seconds", "Time from arrival to first schedule", hist, LATENCY_BUCKETS
+        )
+        self.swap_prepare = self._single(
+            "morphserve_swap_prepare_seconds", "Layer swap preparation (background)", hist, SWAP_BUCKETS
+        )
+        self.swap_apply = self._single(
+            "morphserve_swap_apply_seconds", "Layer swap application (iteration boundary)", hist, SWAP_BUCKETS
+        )
         self.kv_capacity.set(kv_capacity_blocks)
         self._swaps_seen = 0  # EngineStats.swaps_timed at the last update: each swap is observed once
 
@@ -129,7 +194,8 @@ class TritonMetrics:
             self._classes[priority] = (
                 _Gauge(self._waiting_family.Metric(labels=labels)),
                 self._class_ttft_family.Metric(labels=labels, buckets=LATENCY_BUCKETS),
-                self._class_queue_family.Metric(labels=labels, buckets=LATENCY_BUCKETS))
+                self._class_queue_family.Metric(labels=labels, buckets=LATENCY_BUCKETS),
+            )
         return self._classes[priority]
 
     def _family(self, name: str, doc: str, kind: Any) -> Any:
@@ -193,8 +259,9 @@ class TritonMetrics:
             self.swap_apply.observe(apply_s)
         self._swaps_seen = stats.swaps_timed
 
-    def request_finished(self, status: str, timings: RequestTimings | None = None, num_output_tokens: int = 0,
-                         priority: int = 0) -> None:
+    def request_finished(
+        self, status: str, timings: RequestTimings | None = None, num_output_tokens: int = 0, priority: int = 0
+    ) -> None:
         """Count a finished request; a request rejected before it reached the engine has no timings."""
         self.requests_total[status].increment(1)
         if timings is None:

@@ -5,6 +5,7 @@ and to generate the table of docs/configuration.md (`python -m trtllm_backend.tr
 setting, add a row: its target says where the parsed value goes (an EngineConfig field, a default
 SamplingParams field, or a ModelSettings field read by the Triton glue itself).
 """
+
 from __future__ import annotations
 
 import math
@@ -108,130 +109,306 @@ class Param:
 
 PARAMS: tuple[Param, ...] = (
     # Engine (EngineConfig fields).
-    Param("fragment_dir", "str", "fragments", "engine.fragment_dir",
-          "Folder with the layer fragments and manifest.json; a relative path is relative to the model version folder.",
-          NON_EMPTY),
+    Param(
+        "fragment_dir",
+        "str",
+        "fragments",
+        "engine.fragment_dir",
+        "Folder with the layer fragments and manifest.json; a relative path is relative to the model version folder.",
+        NON_EMPTY,
+    ),
     Param("block_size", "int", "16", "engine.block_size", "Tokens per KV-cache block.", at_least(1)),
-    Param("max_batch_size", "int", "32", "engine.max_batch_size",
-          "Most requests in the running batch (the engine batches; Triton's own max_batch_size is 1: one prompt "
-          "per request).", at_least(1)),
-    Param("max_num_tokens", "int", "512", "engine.max_num_tokens",
-          "Most prompt tokens prefilled per iteration (chunked prefill).", at_least(1)),
-    Param("max_tokens_in_paged_kv_cache", "int", "8192", "engine.max_tokens_in_paged_kv_cache",
-          "KV pool size in tokens with every layer at full precision (as in the TensorRT-LLM backend).", at_least(1)),
-    Param("max_queue_size", "int", "256", "engine.max_queue_size",
-          "Most waiting requests; beyond it a new request gets UNAVAILABLE at once.", at_least(1)),
-    Param("max_model_len", "int?", "", "engine.max_model_len",
-          "Longest prompt plus output in tokens; empty: the model's context length.", at_least(1)),
-    Param("num_threads", "int?", "", "engine.num_threads", "torch intra-op threads; empty: torch's default.",
-          at_least(1)),
-    Param("device", "str", "cpu", "engine.device",
-          "Device the engine runs on. cuda is untested: no GPU has run it yet (the CPU is what is built and "
-          "measured).", one_of("cpu", "cuda")),
-    Param("dtype", "str", "auto", "engine.dtype", "Full-precision dtype; auto: float32 on CPU, float16 on CUDA.",
-          one_of("auto", "float32", "bfloat16", "float16")),
-    Param("weight_dtype", "str", "float16", "engine.weight_dtype",
-          "Storage of the full-precision weights; float16 under float32 compute halves a CPU decode step's reads "
-          "(+0.007% perplexity); auto: the dtype itself (the exact reference of the engine's logit tests).",
-          one_of("auto", "float32", "float16")),
-    Param("kv_cache_dtype", "str", "float16", "engine.kv_cache_dtype",
-          "Storage of the paged KV cache; float16 under float32 compute halves each block's bytes (twice the "
-          "tokens per byte of pool and of the memory a swapped layer frees; -0.002% perplexity); auto: the dtype "
-          "itself (the exact reference of the engine's logit tests).", one_of("auto", "float32", "float16", "bfloat16")),
-    Param("int4_activations", "str", "int8", "engine.int4_activations",
-          "Activations of the CPU INT4 decode kernel: int8 (per 32 inputs, up to 2x faster, +0.14% perplexity "
-          "with every layer INT4) or "
-          "float32 (exact products). Prefill: int4_prefill.", one_of("int8", "float32")),
-    Param("int4_prefill", "str", "auto", "engine.int4_prefill",
-          "Prefill path of INT4 layers: decode (the decode tiles 32 rows at a time, the numerics of decode rows; "
-          "1.3-1.9x the bf16 GEMM's speed on AVX-512 VNNI; -0.03% to +0.22% perplexity against bfloat16), "
-          "bfloat16 inputs with fp32 accumulation (~4x faster GEMM with AVX512_BF16; -0.09% to +0.03% against "
-          "float32), float32, or auto (decode where the CPU has AVX-512 VNNI and int4_activations is int8, else "
-          "bfloat16 where it has native bf16).",
-          one_of("auto", "decode", "float32", "bfloat16")),
-    Param("lm_head_activations", "str", "auto", "engine.lm_head_activations",
-          "Activations of the INT8 LM head once morphed: int8 per 64 inputs (AVX-512 VNNI integer dot products, "
-          "~2.5x faster at 16 rows, +0.10% perplexity), float32, or auto (int8 where the CPU has AVX-512 VNNI).",
-          one_of("auto", "int8", "float32")),
+    Param(
+        "max_batch_size",
+        "int",
+        "32",
+        "engine.max_batch_size",
+        "Most requests in the running batch (the engine batches; Triton's own max_batch_size is 1: one prompt "
+        "per request).",
+        at_least(1),
+    ),
+    Param(
+        "max_num_tokens",
+        "int",
+        "512",
+        "engine.max_num_tokens",
+        "Most prompt tokens prefilled per iteration (chunked prefill).",
+        at_least(1),
+    ),
+    Param(
+        "max_tokens_in_paged_kv_cache",
+        "int",
+        "8192",
+        "engine.max_tokens_in_paged_kv_cache",
+        "KV pool size in tokens with every layer at full precision (as in the TensorRT-LLM backend).",
+        at_least(1),
+    ),
+    Param(
+        "max_queue_size",
+        "int",
+        "256",
+        "engine.max_queue_size",
+        "Most waiting requests; beyond it a new request gets UNAVAILABLE at once.",
+        at_least(1),
+    ),
+    Param(
+        "max_model_len",
+        "int?",
+        "",
+        "engine.max_model_len",
+        "Longest prompt plus output in tokens; empty: the model's context length.",
+        at_least(1),
+    ),
+    Param(
+        "num_threads", "int?", "", "engine.num_threads", "torch intra-op threads; empty: torch's default.", at_least(1)
+    ),
+    Param(
+        "device",
+        "str",
+        "cpu",
+        "engine.device",
+        "Device the engine runs on. cuda is untested: no GPU has run it yet (the CPU is what is built and measured).",
+        one_of("cpu", "cuda"),
+    ),
+    Param(
+        "dtype",
+        "str",
+        "auto",
+        "engine.dtype",
+        "Full-precision dtype; auto: float32 on CPU, float16 on CUDA.",
+        one_of("auto", "float32", "bfloat16", "float16"),
+    ),
+    Param(
+        "weight_dtype",
+        "str",
+        "float16",
+        "engine.weight_dtype",
+        "Storage of the full-precision weights; float16 under float32 compute halves a CPU decode step's reads "
+        "(+0.007% perplexity); auto: the dtype itself (the exact reference of the engine's logit tests).",
+        one_of("auto", "float32", "float16"),
+    ),
+    Param(
+        "kv_cache_dtype",
+        "str",
+        "float16",
+        "engine.kv_cache_dtype",
+        "Storage of the paged KV cache; float16 under float32 compute halves each block's bytes (twice the "
+        "tokens per byte of pool and of the memory a swapped layer frees; -0.002% perplexity); auto: the dtype "
+        "itself (the exact reference of the engine's logit tests).",
+        one_of("auto", "float32", "float16", "bfloat16"),
+    ),
+    Param(
+        "int4_activations",
+        "str",
+        "int8",
+        "engine.int4_activations",
+        "Activations of the CPU INT4 decode kernel: int8 (per 32 inputs, up to 2x faster, +0.14% perplexity "
+        "with every layer INT4) or "
+        "float32 (exact products). Prefill: int4_prefill.",
+        one_of("int8", "float32"),
+    ),
+    Param(
+        "int4_prefill",
+        "str",
+        "auto",
+        "engine.int4_prefill",
+        "Prefill path of INT4 layers: decode (the decode tiles 32 rows at a time, the numerics of decode rows; "
+        "1.3-1.9x the bf16 GEMM's speed on AVX-512 VNNI; -0.03% to +0.22% perplexity against bfloat16), "
+        "bfloat16 inputs with fp32 accumulation (~4x faster GEMM with AVX512_BF16; -0.09% to +0.03% against "
+        "float32), float32, or auto (decode where the CPU has AVX-512 VNNI and int4_activations is int8, else "
+        "bfloat16 where it has native bf16).",
+        one_of("auto", "decode", "float32", "bfloat16"),
+    ),
+    Param(
+        "lm_head_activations",
+        "str",
+        "auto",
+        "engine.lm_head_activations",
+        "Activations of the INT8 LM head once morphed: int8 per 64 inputs (AVX-512 VNNI integer dot products, "
+        "~2.5x faster at 16 rows, +0.10% perplexity), float32, or auto (int8 where the CPU has AVX-512 VNNI).",
+        one_of("auto", "int8", "float32"),
+    ),
     # Morphing (issue 4). Thresholds left empty keep the policy's own value.
-    Param("morph_policy", "str", "balanced", "engine.morph_policy",
-          "accuracy / balanced / performance (dynamic), or static: full, int4 (every layer), int4:N, q4_1 (every "
-          "layer on its Q4_1 fragment: a GGUF's own 4-bit blocks, lossless against full; engines.build_fragments --q4-1).",
-          Check(is_policy_spec, " / ".join((*POLICY_NAMES, "int4:N")))),
-    Param("tpot_slo_s", "float", "0.35", "engine.tpot_slo_s",
-          "The deployment's TPOT SLO in seconds: a dynamic policy also morphs when decode is slower than 0.85 of it "
-          "with requests waiting, where INT4 was measured faster at load, and prefill chunks are cut to keep "
-          "decoding streams within it (0: no SLO, KV pressure only, full chunks).",
-          at_least(0.0)),
-    Param("ttft_slo_s", "float", "2.0", "engine.ttft_slo_s",
-          "The deployment's TTFT SLO in seconds: the performance policy also morphs when the head of the queue has "
-          "waited longer than a quarter of it with the KV cache not short, where INT4 was measured faster at load "
-          "(0: off; other dynamic policies: morph_down_ttft_s).",
-          at_least(0.0)),
-    Param("prefill_chunk_tpot_share", "float", "0.5", "engine.prefill_chunk_tpot_share",
-          "A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from "
-          "the measured cost of a token (0: chunks fill max_num_tokens).",
-          Check(lambda v: 0 <= v <= 1, "in [0.0, 1.0]")),
-    Param("memory_budget_bytes", "int?", "", "engine.memory_budget_bytes",
-          "Bound on everything resident (weights, fragments being staged, KV blocks), whichever policy runs; every byte "
-          "a policy does not spend on weights is KV, a dynamic policy's staging reserve (one INT4 layer) included in "
-          "it. Empty: the full-precision model + max_tokens_in_paged_kv_cache tokens of KV.",
-          at_least(1)),
-    Param("lm_head_precision", "str", "full", "engine.lm_head_precision",
-          "The tied embedding / LM head: full; int8 (its INT8 table bound at load whatever the policy: quality-neutral "
-          "(-0.05% perplexity), and the bytes it frees are KV); or dynamic (swapped as a morph unit: a dynamic "
-          "policy then keeps ~13x more staging room).",
-          one_of(*LM_HEAD_PRECISIONS)),
-    Param("huge_pages", "bool", "true", "engine.huge_pages",
-          "Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer "
-          "TLB misses as a decode step streams the weights (all-INT4 batch-1 step ~1.1x on the 2-core VM).",
-          None),
-    Param("check_invariants", "bool", "true", "engine.check_invariants",
-          "Check memory, KV-block and binding invariants every iteration (~0.1 ms: docs/fused-decode.md); violations are counted and logged.",
-          None),
-    Param("enable_kv_cache_reuse", "bool", "true", "engine.enable_prefix_caching",
-          "Automatic prefix caching (TensorRT-LLM's name): full KV blocks are cached by their tokens and all before "
-          "them, a request reuses the longest cached prefix instead of prefilling it, and cached blocks nobody holds "
-          "are free for anyone (least recently used evicted first). KV is reused only under the weights that "
-          "computed it.", None),
-    Param("morph_priority_cutoff", "int", str(PRIORITY_MAX), "engine.morph_priority_cutoff",
-          "Request priorities (the priority input, lower is more important) whose queue and preemptions drive "
-          "morphing: those <= this. Less important requests wait or are preempted instead of costing precision.",
-          Check(lambda v: PRIORITY_MIN <= v <= PRIORITY_MAX, f"in [{PRIORITY_MIN}, {PRIORITY_MAX}]")),
-    *(Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check)
-      for name, kind, doc, check in (
-        ("layers_per_action", "int", "Layers swapped per morph action.", at_least(1)),
-        ("max_int4_layers", "int", "Most layers quantized at once.", at_least(0)),
-        ("down_kv_usage", "float", "KV usage at which, with requests waiting, the cache counts as short.",
-         in_half_open(0.0, 1.0)),
-        ("down_queue_wait_s", "float", "Seconds the head of the queue must wait for KV blocks to count as pressure.",
-         at_least(0.0)),
-        ("down_persist", "int", "Pressured iterations in a row before swapping down.", at_least(1)),
-        ("up_kv_usage", "float", "Restore only while KV usage stays below this (below morph_down_kv_usage).",
-         in_half_open(0.0, 1.0)),
-        ("up_quiet_s", "float", "Seconds without pressure before restoring a layer.", at_least(0.0)),
-        ("down_tpot_s", "float", "Decode time in seconds above which, with requests waiting, is pressure where the "
-         "next swap was measured faster at load (empty: 0.85 x tpot_slo_s; 0: off).", at_least(0.0)),
-        ("up_tpot_ratio", "float", "With morph_down_tpot_s: restore only while TPOT <= this fraction of it.",
-         in_half_open(0.0, 1.0)),
-        ("down_ttft_s", "float", "Seconds the head of the queue may wait, the KV cache not short, before it is "
-         "pressure where the next swap was measured faster at load (empty: 0.25 x ttft_slo_s for performance, 0 "
-         "for the other policies; 0: off).", at_least(0.0)),
-    )),
+    Param(
+        "morph_policy",
+        "str",
+        "balanced",
+        "engine.morph_policy",
+        "accuracy / balanced / performance (dynamic), or static: full, int4 (every layer), int4:N, q4_1 (every "
+        "layer on its Q4_1 fragment: a GGUF's own 4-bit blocks, lossless against full; engines.build_fragments --q4-1).",
+        Check(is_policy_spec, " / ".join((*POLICY_NAMES, "int4:N"))),
+    ),
+    Param(
+        "tpot_slo_s",
+        "float",
+        "0.35",
+        "engine.tpot_slo_s",
+        "The deployment's TPOT SLO in seconds: a dynamic policy also morphs when decode is slower than 0.85 of it "
+        "with requests waiting, where INT4 was measured faster at load, and prefill chunks are cut to keep "
+        "decoding streams within it (0: no SLO, KV pressure only, full chunks).",
+        at_least(0.0),
+    ),
+    Param(
+        "ttft_slo_s",
+        "float",
+        "2.0",
+        "engine.ttft_slo_s",
+        "The deployment's TTFT SLO in seconds: the performance policy also morphs when the head of the queue has "
+        "waited longer than a quarter of it with the KV cache not short, where INT4 was measured faster at load "
+        "(0: off; other dynamic policies: morph_down_ttft_s).",
+        at_least(0.0),
+    ),
+    Param(
+        "prefill_chunk_tpot_share",
+        "float",
+        "0.5",
+        "engine.prefill_chunk_tpot_share",
+        "A step that carries decodes takes at most this share of tpot_slo_s: prefill chunks are cut to fit, from "
+        "the measured cost of a token (0: chunks fill max_num_tokens).",
+        Check(lambda v: 0 <= v <= 1, "in [0.0, 1.0]"),
+    ),
+    Param(
+        "memory_budget_bytes",
+        "int?",
+        "",
+        "engine.memory_budget_bytes",
+        "Bound on everything resident (weights, fragments being staged, KV blocks), whichever policy runs; every byte "
+        "a policy does not spend on weights is KV, a dynamic policy's staging reserve (one INT4 layer) included in "
+        "it. Empty: the full-precision model + max_tokens_in_paged_kv_cache tokens of KV.",
+        at_least(1),
+    ),
+    Param(
+        "lm_head_precision",
+        "str",
+        "full",
+        "engine.lm_head_precision",
+        "The tied embedding / LM head: full; int8 (its INT8 table bound at load whatever the policy: quality-neutral "
+        "(-0.05% perplexity), and the bytes it frees are KV); or dynamic (swapped as a morph unit: a dynamic "
+        "policy then keeps ~13x more staging room).",
+        one_of(*LM_HEAD_PRECISIONS),
+    ),
+    Param(
+        "huge_pages",
+        "bool",
+        "true",
+        "engine.huge_pages",
+        "Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer "
+        "TLB misses as a decode step streams the weights (all-INT4 batch-1 step ~1.1x on the 2-core VM).",
+        None,
+    ),
+    Param(
+        "check_invariants",
+        "bool",
+        "true",
+        "engine.check_invariants",
+        "Check memory, KV-block and binding invariants every iteration (~0.1 ms: docs/fused-decode.md); violations are counted and logged.",
+        None,
+    ),
+    Param(
+        "enable_kv_cache_reuse",
+        "bool",
+        "true",
+        "engine.enable_prefix_caching",
+        "Automatic prefix caching (TensorRT-LLM's name): full KV blocks are cached by their tokens and all before "
+        "them, a request reuses the longest cached prefix instead of prefilling it, and cached blocks nobody holds "
+        "are free for anyone (least recently used evicted first). KV is reused only under the weights that "
+        "computed it.",
+        None,
+    ),
+    Param(
+        "morph_priority_cutoff",
+        "int",
+        str(PRIORITY_MAX),
+        "engine.morph_priority_cutoff",
+        "Request priorities (the priority input, lower is more important) whose queue and preemptions drive "
+        "morphing: those <= this. Less important requests wait or are preempted instead of costing precision.",
+        Check(lambda v: PRIORITY_MIN <= v <= PRIORITY_MAX, f"in [{PRIORITY_MIN}, {PRIORITY_MAX}]"),
+    ),
+    *(
+        Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check)
+        for name, kind, doc, check in (
+            ("layers_per_action", "int", "Layers swapped per morph action.", at_least(1)),
+            ("max_int4_layers", "int", "Most layers quantized at once.", at_least(0)),
+            (
+                "down_kv_usage",
+                "float",
+                "KV usage at which, with requests waiting, the cache counts as short.",
+                in_half_open(0.0, 1.0),
+            ),
+            (
+                "down_queue_wait_s",
+                "float",
+                "Seconds the head of the queue must wait for KV blocks to count as pressure.",
+                at_least(0.0),
+            ),
+            ("down_persist", "int", "Pressured iterations in a row before swapping down.", at_least(1)),
+            (
+                "up_kv_usage",
+                "float",
+                "Restore only while KV usage stays below this (below morph_down_kv_usage).",
+                in_half_open(0.0, 1.0),
+            ),
+            ("up_quiet_s", "float", "Seconds without pressure before restoring a layer.", at_least(0.0)),
+            (
+                "down_tpot_s",
+                "float",
+                "Decode time in seconds above which, with requests waiting, is pressure where the "
+                "next swap was measured faster at load (empty: 0.85 x tpot_slo_s; 0: off).",
+                at_least(0.0),
+            ),
+            (
+                "up_tpot_ratio",
+                "float",
+                "With morph_down_tpot_s: restore only while TPOT <= this fraction of it.",
+                in_half_open(0.0, 1.0),
+            ),
+            (
+                "down_ttft_s",
+                "float",
+                "Seconds the head of the queue may wait, the KV cache not short, before it is "
+                "pressure where the next swap was measured faster at load (empty: 0.25 x ttft_slo_s for performance, 0 "
+                "for the other policies; 0: off).",
+                at_least(0.0),
+            ),
+        )
+    ),
     # Defaults for requests that omit a sampling input.
-    Param("default_max_tokens", "int", "64", "sampling.max_tokens", "max_tokens when a request has none.",
-          at_least(1)),
-    Param("default_temperature", "float", "0.0", "sampling.temperature",
-          "temperature when a request has none (0 = greedy).", at_least(0.0)),
+    Param("default_max_tokens", "int", "64", "sampling.max_tokens", "max_tokens when a request has none.", at_least(1)),
+    Param(
+        "default_temperature",
+        "float",
+        "0.0",
+        "sampling.temperature",
+        "temperature when a request has none (0 = greedy).",
+        at_least(0.0),
+    ),
     Param("default_top_k", "int", "0", "sampling.top_k", "top_k when a request has none (0 = no cut).", at_least(0)),
     Param("default_top_p", "float", "1.0", "sampling.top_p", "top_p when a request has none.", in_half_open(0.0, 1.0)),
     # The Triton glue itself.
-    Param("drain_timeout_s", "float", "5.0", "model.drain_timeout_s",
-          "On unload/SIGTERM: seconds running requests may finish before the rest are aborted.", at_least(0.0)),
-    Param("metrics_interval_s", "float", "0.5", "model.metrics_interval_s",
-          "Seconds between updates of the gauge metrics from the engine.", above(0.0)),
-    Param("cancel_poll_interval_s", "float", "0.05", "model.cancel_poll_interval_s",
-          "Seconds between checks for cancelled requests (client gone, stream closed).", above(0.0)),
+    Param(
+        "drain_timeout_s",
+        "float",
+        "5.0",
+        "model.drain_timeout_s",
+        "On unload/SIGTERM: seconds running requests may finish before the rest are aborted.",
+        at_least(0.0),
+    ),
+    Param(
+        "metrics_interval_s",
+        "float",
+        "0.5",
+        "model.metrics_interval_s",
+        "Seconds between updates of the gauge metrics from the engine.",
+        above(0.0),
+    ),
+    Param(
+        "cancel_poll_interval_s",
+        "float",
+        "0.05",
+        "model.cancel_poll_interval_s",
+        "Seconds between checks for cancelled requests (client gone, stream closed).",
+        above(0.0),
+    ),
 )
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}

@@ -5,6 +5,7 @@ it, removes the shared memory they leaked and the edited repository copy, and wa
 stops the whole server. Triton's administrative APIs (shared memory, model repository, logging, trace) are closed
 behind a key by default (admin.py); the handle carries it (`admin_headers`) for callers that use them.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -50,8 +51,12 @@ def ensure_fragments(parsed: triton_params.ParsedParams) -> None:
     if (frag / "manifest.json").exists():
         return
     print(f"[serve] no fragments in {frag}: building them (engines.build_fragments --if-missing)", flush=True)
-    subprocess.run([sys.executable, "-m", "engines.build_fragments", "--if-missing"], cwd=PROJECT_ROOT,
-                   env=server_env(), check=True)
+    subprocess.run(
+        [sys.executable, "-m", "engines.build_fragments", "--if-missing"],
+        cwd=PROJECT_ROOT,
+        env=server_env(),
+        check=True,
+    )
 
 
 @dataclass(slots=True)
@@ -118,9 +123,13 @@ class ServerHandle:
                 if not self._wait_exit(timeout, stubs):
                     self.drained_but_held = self._held_by_a_stream(stubs)
                     if self.drained_but_held:
-                        print("[serve] every request was answered, but an open gRPC stream keeps Triton from "
-                              "unloading the model (Triton 2.51 holds a stream's first request until the client "
-                              "closes it): ending tritonserver", file=sys.stderr, flush=True)
+                        print(
+                            "[serve] every request was answered, but an open gRPC stream keeps Triton from "
+                            "unloading the model (Triton 2.51 holds a stream's first request until the client "
+                            "closes it): ending tritonserver",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     self.process.kill()
                     self.process.wait()
             # NOTE: a killed (or crashed) tritonserver leaves its Python stubs running, each holding the
@@ -242,12 +251,26 @@ def _process_running(pid: int) -> bool:
     return state_and_parent is not None and state_and_parent[0] != "Z"
 
 
-def launch(model_repository: str | Path = "model_repository", *, model: str = "smollm2", http_port: int = 8000,
-           grpc_port: int = 8001, metrics_port: int = 8002, params: dict[str, str] | None = None,
-           backend_dir: str | Path = "build/backends", build_dir: str | Path = "build",
-           build_fragments: bool = True, log_path: str | Path | None = None, ready_timeout: float = 300.0,
-           exit_timeout_s: int = 30, extra_args: list[str] | None = None, check_params: bool = True,
-           admin_key: str | None = None, open_admin: bool | None = None, address: str | None = None) -> ServerHandle:
+def launch(
+    model_repository: str | Path = "model_repository",
+    *,
+    model: str = "smollm2",
+    http_port: int = 8000,
+    grpc_port: int = 8001,
+    metrics_port: int = 8002,
+    params: dict[str, str] | None = None,
+    backend_dir: str | Path = "build/backends",
+    build_dir: str | Path = "build",
+    build_fragments: bool = True,
+    log_path: str | Path | None = None,
+    ready_timeout: float = 300.0,
+    exit_timeout_s: int = 30,
+    extra_args: list[str] | None = None,
+    check_params: bool = True,
+    admin_key: str | None = None,
+    open_admin: bool | None = None,
+    address: str | None = None,
+) -> ServerHandle:
     """Start tritonserver and return once /v2/health/ready answers 200 (every model loaded).
     check_params=False skips the launcher's own check, so the model's load-time check is what refuses.
     Admin APIs (admin.RESTRICTED) need the header admin.ADMIN_HEADER with `admin_key` (default:
@@ -266,8 +289,9 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
             ensure_fragments(parsed)
     repo_copy = None
     if overrides:
-        repo = repo_copy = apply_overrides(repo, model, overrides,
-                                           _rooted(build_dir) / f"model_repository.{uuid.uuid4().hex[:8]}")
+        repo = repo_copy = apply_overrides(
+            repo, model, overrides, _rooted(build_dir) / f"model_repository.{uuid.uuid4().hex[:8]}"
+        )
     install = find_triton()
     backends = prepare_backend_dir(install, _rooted(backend_dir))
     # NOTE: a prefix of our own, so cleaning leaked regions never touches another server's.
@@ -277,19 +301,47 @@ def launch(model_repository: str | Path = "model_repository", *, model: str = "s
         open_admin = admin.open_from_env()
     key = None if open_admin else admin.check_key(admin_key or admin.key_from_env() or admin.new_key())
     bind = [f"--http-address={address}", f"--grpc-address={address}"] if address else []
-    cmd = [str(install.server), f"--model-repository={repo}", f"--backend-directory={backends}",
-           f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", *bind,
-           "--allow-metrics=true", f"--exit-timeout-secs={exit_timeout_s}",
-           f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
-           *(admin.restricted_args(key, extra_args) if key else []), *extra_args]
+    cmd = [
+        str(install.server),
+        f"--model-repository={repo}",
+        f"--backend-directory={backends}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        *bind,
+        "--allow-metrics=true",
+        f"--exit-timeout-secs={exit_timeout_s}",
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        *(admin.restricted_args(key, extra_args) if key else []),
+        *extra_args,
+    ]
     log_file = open(log_path, "w") if log_path else None
     control = Path(tempfile.mkdtemp(prefix="morphserve-control-"))
     env = server_env() | {shutdown.CONTROL_DIR_ENV: str(control)}
-    process = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                               start_new_session=True, preexec_fn=_die_with_parent)
-    handle = ServerHandle(process, http_port, grpc_port, metrics_port, model, shm_prefix,
-                          Path(log_path) if log_path else None, repo_copy, exit_timeout_s, control, drain_timeout_s,
-                          admin_key=key, host=_reach(address), _log_file=log_file)
+    process = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT if log_file else None,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    handle = ServerHandle(
+        process,
+        http_port,
+        grpc_port,
+        metrics_port,
+        model,
+        shm_prefix,
+        Path(log_path) if log_path else None,
+        repo_copy,
+        exit_timeout_s,
+        control,
+        drain_timeout_s,
+        admin_key=key,
+        host=_reach(address),
+        _log_file=log_file,
+    )
     try:
         _wait_ready(handle, ready_timeout)
     except BaseException:
@@ -315,8 +367,10 @@ def _wait_ready(handle: ServerHandle, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not handle.alive():
-            raise RuntimeError(f"tritonserver exited with code {handle.process.returncode} before it was ready"
-                               + (f"; last log lines:\n{handle.log_tail()}" if handle.log_path else ""))
+            raise RuntimeError(
+                f"tritonserver exited with code {handle.process.returncode} before it was ready"
+                + (f"; last log lines:\n{handle.log_tail()}" if handle.log_path else "")
+            )
         try:
             with urllib.request.urlopen(pending[0], timeout=2) as resp:
                 if resp.status == 200:

@@ -9,6 +9,7 @@ lets running requests finish for `drain_timeout_s`, answers the rest with an err
 `drained.<pid>`; `finalize` writes `finalizing.<pid>` when Triton does unload the model. A model that is
 drained but never finalized is held only by such a stream: the launcher may end the server.
 """
+
 from __future__ import annotations
 
 import os

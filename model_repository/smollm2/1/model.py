@@ -21,8 +21,10 @@ import triton_python_backend_utils as pb_utils
 try:  # installed into the stub's environment: the venv's editable install, a .pth file in the Docker images
     import trtllm_backend  # noqa: F401
 except ImportError as exc:
-    raise ImportError(f"{exc}: the Python environment tritonserver runs this model in lacks the MorphServe "
-                      "project; install it there (pip install -e <project root>)") from exc
+    raise ImportError(
+        f"{exc}: the Python environment tritonserver runs this model in lacks the MorphServe "
+        "project; install it there (pip install -e <project root>)"
+    ) from exc
 
 from trtllm_backend.errors import InvalidRequest, QueueFull
 from trtllm_backend.outputs import RequestOutput
@@ -49,7 +51,7 @@ def triton_error(exc: InvalidRequest):
     name = interface.INPUT_OF_FIELD.get(exc.field, exc.field)
     message = str(exc)
     if message.startswith(f"{exc.field}: "):
-        message = message[len(exc.field) + 2:]
+        message = message[len(exc.field) + 2 :]
     return pb_utils.TritonError(f"{name}: {message}", pb_utils.TritonError.INVALID_ARG)
 
 
@@ -102,7 +104,9 @@ class LiveRequest:
 class TritonPythonModel:
     def initialize(self, args):
         # The engine logs each morph action with its reason; send those lines to the server's log.
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[morphserve] %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="[morphserve] %(levelname)s %(name)s: %(message)s"
+        )
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("smollm2 streams responses: set model_transaction_policy decoupled")
@@ -111,8 +115,11 @@ class TritonPythonModel:
         self.params = triton_params.parse_params(raw, base_dir=version_dir)  # ParamError names the parameter
         engine_config = triton_params.engine_config(self.params)
         self.engine = create_engine(engine_config)
-        self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]},
-                                     kv_capacity_blocks=engine_config.base_kv_blocks)
+        self.metrics = TritonMetrics(
+            pb_utils,
+            {"model": args["model_name"], "version": args["model_version"]},
+            kv_capacity_blocks=engine_config.base_kv_blocks,
+        )
         self.live: dict[str, LiveRequest] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count()
@@ -124,9 +131,11 @@ class TritonPythonModel:
         self.drained = False
         self.engine.start()
         self.responder = threading.Thread(target=self._respond, name="morph-respond", daemon=True)
-        self.threads = [self.responder,
-                        threading.Thread(target=self._watch_cancellation, name="morph-cancel", daemon=True),
-                        threading.Thread(target=self._publish_metrics, name="morph-metrics", daemon=True)]
+        self.threads = [
+            self.responder,
+            threading.Thread(target=self._watch_cancellation, name="morph-cancel", daemon=True),
+            threading.Thread(target=self._publish_metrics, name="morph-metrics", daemon=True),
+        ]
         for t in self.threads:
             t.start()
 
@@ -149,12 +158,14 @@ class TritonPythonModel:
             if self.closing:
                 raise QueueFull("the model is shutting down")
             echo = "" if decoded.exclude_input else decoded.prompt
-            live = LiveRequest(f"{triton_id or 'req'}#{next(self.ids)}", triton_id, sender, decoded.stream, echo,
-                               decoded.returns, echo)
+            live = LiveRequest(
+                f"{triton_id or 'req'}#{next(self.ids)}", triton_id, sender, decoded.stream, echo, decoded.returns, echo
+            )
             with self.lock:  # registered first: on_output may run before add_request returns
                 self.live[live.rid] = live
-            self.engine.add_request(decoded.prompt, decoded.params, lambda out, live=live: self.outbox.put((live, out)),
-                                    request_id=live.rid)
+            self.engine.add_request(
+                decoded.prompt, decoded.params, lambda out, live=live: self.outbox.put((live, out)), request_id=live.rid
+            )
         except InvalidRequest as exc:
             self._reject(sender, live, triton_error(exc))
         except QueueFull as exc:
@@ -195,19 +206,34 @@ class TritonPythonModel:
     def _send_output(self, live: LiveRequest, out: RequestOutput) -> None:
         try:
             if out.finish_reason == "error":
-                live.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                    f"engine error: {out.error}", pb_utils.TritonError.INTERNAL)), final=True)
+                live.send(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[],
+                        error=pb_utils.TritonError(f"engine error: {out.error}", pb_utils.TritonError.INTERNAL),
+                    ),
+                    final=True,
+                )
             elif out.finish_reason == "abort" and self.closing and not live.cancelled:
                 # cut off by the drain deadline: the client must learn its output is incomplete
-                live.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                    f"the server is shutting down: request aborted after drain_timeout_s="
-                    f"{self.params.model.drain_timeout_s:g}", pb_utils.TritonError.UNAVAILABLE)), final=True)
+                live.send(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[],
+                        error=pb_utils.TritonError(
+                            f"the server is shutting down: request aborted after drain_timeout_s="
+                            f"{self.params.model.drain_timeout_s:g}",
+                            pb_utils.TritonError.UNAVAILABLE,
+                        ),
+                    ),
+                    final=True,
+                )
             elif live.stream:
                 live.total.add(out)
                 piece = interface.Piece()
                 piece.add(out)
                 # NOTE: the LLM-API backend streams the whole text so far; the TensorRT-engine one the new text
-                piece.text = live.echo + live.total.text if live.returns.cumulative_text else live.take_prefix() + out.text
+                piece.text = (
+                    live.echo + live.total.text if live.returns.cumulative_text else live.take_prefix() + out.text
+                )
                 if out.text or out.token_ids or (out.finished and out.finish_reason in ("stop", "length")):
                     # NOTE: an empty final piece is a response, not a bare flag: the client learns why it ended
                     live.send(make_response(piece, live.returns), final=out.finished)
