@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
 from plugins import cpu_kernels
 from tools import kernel_builds_ab
 
@@ -15,6 +17,18 @@ def test_fewer_than_two_builds_or_a_missing_one_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         kernel_builds_ab.main(["--lib", str(tmp_path / "a.so"), "--lib", str(tmp_path / "b.so")])
     assert "no such library" in capsys.readouterr().err
+
+
+def test_trees_need_two_checkouts_of_the_project_and_one_library(tmp_path, capsys):
+    root = str(Path(__file__).resolve().parent.parent)
+    for argv, says in [
+        (["--tree", root], "two or more --tree"),
+        (["--tree", root, "--tree", root, "--lib", "a.so", "--lib", "b.so"], "at most one --lib"),
+        (["--tree", root, "--tree", str(tmp_path)], "not a checkout of this project"),
+    ]:
+        with pytest.raises(SystemExit):
+            kernel_builds_ab.main(argv)
+        assert says in capsys.readouterr().err
 
 
 @pytest.mark.needs_model  # its engines load the real fragment set
@@ -30,3 +44,23 @@ def test_each_build_runs_in_its_own_process_and_the_ratio_comes_with_its_range(t
     assert all(r["step_s"]["int4"] > 0 and r["bandwidth_GBps"] > 0 for r in out["runs"])
     r = out["first_over_other"]["copy.so int4"]
     assert r["low"] <= r["median"] <= r["high"]
+
+
+@pytest.mark.needs_model
+@pytest.mark.skipif(not cpu_kernels.library_path().is_file(), reason="the C++ kernels are not built: run make setup")
+def test_checkouts_run_in_their_own_processes_on_one_library():
+    root = str(Path(__file__).resolve().parent.parent)
+    out = kernel_builds_ab.run_pairs(
+        [str(cpu_kernels.library_path())],
+        ["full"],
+        context=40,
+        batch=1,
+        steps=2,
+        pairs=1,
+        weight_dtype="float16",
+        trees=[root, root],
+    )
+    label = kernel_builds_ab.tree_label(root)
+    assert "@" in label and not label.endswith("@?")
+    assert [r["side"] for r in out["runs"]] == [label, label]
+    assert all(r["step_s"]["full"] > 0 for r in out["runs"])

@@ -1,9 +1,13 @@
 """Decode steps of two or more builds of the C++ kernels, one process per build, in turn: what a kernel change
-did where it has no runtime switch (bench_engine's --*-ab flags switch the ones that have one).
+did where it has no runtime switch (bench_engine's --*-ab flags switch the ones that have one). With `--tree`,
+two or more checkouts of the code instead (e.g. `git worktree add --detach ../before <commit>`), each process
+running its own tree's Python on the same kernels library: whether a change of the Python made decode slower.
 
     python -m plugins.cpu_kernels && cp build/kernels/morphserve_kernels.so /tmp/after.so   # and a /tmp/before.so
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.kernel_builds_ab \\
         --lib /tmp/before.so --lib /tmp/after.so --context 1024 --batch 1 --pairs 3 [--json FILE]
+
+    python -m tools.kernel_builds_ab --tree ../before --tree . --context 1024 --batch 1 --pairs 5
 
 Each process loads one library and every policy's engine at once (full and all-INT4 by default), admits `batch`
 requests of about `context` tokens, times decode steps with the engines taking turns, and prints the median
@@ -21,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from plugins import cpu_kernels
 from tools.replay.provenance import code_version, now_utc
 
 
@@ -28,8 +33,6 @@ def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, 
     """In this process (started with MORPHSERVE_KERNELS_LIBRARY=lib): the policies' engines taking turns; median
     step seconds per policy."""
     import torch
-
-    from plugins import cpu_kernels
 
     from engines.build_fragments import default_fragment_dir
     from tools import bench_engine
@@ -52,12 +55,34 @@ def worker(lib: str, policies: list[str], context: int, batch: int, steps: int, 
     return {"lib": lib, "step_s": step_s, "bandwidth_GBps": bench_engine.read_bandwidth() / 1e9}
 
 
+def tree_label(tree: str) -> str:
+    """A checkout named by its folder and commit, the label its runs and ratios carry."""
+    head = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{Path(tree).resolve().name}@{head.stdout.strip() or '?'}"
+
+
 def run_pairs(
-    libs: list[str], policies: list[str], context: int, batch: int, steps: int, pairs: int, weight_dtype: str
+    libs: list[str],
+    policies: list[str],
+    context: int,
+    batch: int,
+    steps: int,
+    pairs: int,
+    weight_dtype: str,
+    trees: list[str] | None = None,
 ) -> dict:
+    """`libs` compared in this checkout, or (with `trees`) the checkouts compared on the one library libs[0]."""
+    sides = (
+        [(tree_label(t), libs[0], str(Path(t).resolve())) for t in trees]
+        if trees
+        else [(Path(lib).name, lib, None) for lib in libs]
+    )
     runs = []
     for pair in range(pairs):
-        for lib in libs:
+        for name, lib, tree in sides:
+            env = {**os.environ, "MORPHSERVE_KERNELS_LIBRARY": lib}
+            if tree:  # the worker imports that tree's code (an editable install would import this one's)
+                env["PYTHONPATH"] = tree
             cmd = [
                 sys.executable,
                 "-m",
@@ -76,30 +101,25 @@ def run_pairs(
                 "--weight-dtype",
                 weight_dtype,
             ]
-            out = subprocess.run(
-                cmd, capture_output=True, text=True, env={**os.environ, "MORPHSERVE_KERNELS_LIBRARY": lib}
-            )
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
             if out.returncode != 0:
-                raise SystemExit(f"[builds] {lib} failed:\n{out.stderr[-2000:]}")
+                raise SystemExit(f"[builds] {name} failed:\n{out.stderr[-2000:]}")
             run = json.loads(out.stdout.strip().splitlines()[-1])
-            run["pair"] = pair
+            run.update(pair=pair, side=name)
             runs.append(run)
             print(
-                f"[builds] pair {pair + 1} {Path(lib).name:>28}: "
+                f"[builds] pair {pair + 1} {name:>28}: "
                 + "  ".join(f"{p} {run['step_s'][p] * 1e3:7.2f} ms" for p in policies)
                 + f"  read {run['bandwidth_GBps']:.1f} GB/s",
                 flush=True,
             )
     ratios = {}
-    for lib in libs[1:]:
+    for i, (name, _, _) in enumerate(sides[1:], start=1):
         for p in policies:
-            r = sorted(
-                a["step_s"][p] / b["step_s"][p]
-                for a, b in zip(runs[0 :: len(libs)], runs[libs.index(lib) :: len(libs)])
-            )
-            ratios[f"{Path(lib).name} {p}"] = {"median": statistics.median(r), "low": r[0], "high": r[-1]}
+            r = sorted(a["step_s"][p] / b["step_s"][p] for a, b in zip(runs[0 :: len(sides)], runs[i :: len(sides)]))
+            ratios[f"{name} {p}"] = {"median": statistics.median(r), "low": r[0], "high": r[-1]}
             print(
-                f"[builds] {Path(libs[0]).name} step / {Path(lib).name} step, {p}: {statistics.median(r):.2f}x "
+                f"[builds] {sides[0][0]} step / {name} step, {p}: {statistics.median(r):.2f}x "
                 f"[{r[0]:.2f}, {r[-1]:.2f}] over {len(r)} pairs (context {context}, batch {batch})"
             )
     return {"runs": runs, "first_over_other": ratios}
@@ -107,7 +127,10 @@ def run_pairs(
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lib", action="append", required=True, help="a built morphserve_kernels.so (repeat: 2 or more)")
+    ap.add_argument("--lib", action="append", help="a built morphserve_kernels.so (repeat: 2 or more)")
+    ap.add_argument(
+        "--tree", action="append", help="a checkout of the code (repeat: 2 or more), run on one --lib (default: ours)"
+    )
     ap.add_argument("--policy", nargs="+", default=["full", "int4"])
     ap.add_argument("--context", type=int, default=0, help="prompt tokens per request (0: a short sentence)")
     ap.add_argument("--batch", type=int, default=1)
@@ -120,7 +143,14 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args.lib[0], args.policy, args.context, args.batch, args.steps, args.weight_dtype)))
         return 0
-    if len(args.lib) < 2:
+    if args.tree:
+        if len(args.tree) < 2 or len(args.lib or []) > 1:
+            ap.error("give two or more --tree checkouts and at most one --lib")
+        args.lib = args.lib or [str(cpu_kernels.library_path())]
+        missing = [t for t in args.tree if not (Path(t) / "trtllm_backend").is_dir()]
+        if missing:
+            ap.error(f"not a checkout of this project: {', '.join(missing)}")
+    elif len(args.lib or []) < 2:
         ap.error("give two or more --lib builds to compare")
     missing = [lib for lib in args.lib if not Path(lib).is_file()]
     if missing:
@@ -131,7 +161,9 @@ def main(argv=None) -> int:
         "run_utc": now_utc(),
         "load_avg_1m_start": round(os.getloadavg()[0], 2),
     }
-    result = run_pairs(args.lib, args.policy, args.context, args.batch, args.steps, args.pairs, args.weight_dtype)
+    result = run_pairs(
+        args.lib, args.policy, args.context, args.batch, args.steps, args.pairs, args.weight_dtype, trees=args.tree
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({**run, **result}, indent=1))
     return 0
