@@ -148,6 +148,50 @@ def test_a_request_never_preempts_its_own_priority_or_a_more_important_one():
     assert not out.admission_blocked  # a full batch is not a KV shortage
 
 
+def test_a_less_important_prefill_yields_its_chunk_to_a_more_important_arrival():
+    s = Scheduler(pool(blocks=64, bs=4), max_batch_size=8, max_num_tokens=16)
+    batch = preq("batch", 100, priority=5)  # a long prompt: 16 tokens a step for 7 steps
+    s.add(batch)
+    advance(s.schedule())
+    chat = preq("chat", 10, priority=0, arrival=1.0)
+    s.add(chat)
+    out = s.schedule()
+    assert out.scheduled == [(chat, 10), (batch, 6)]  # the chat's whole prompt first, the batch gets what is left
+    advance(out)
+    assert s.schedule().scheduled == [(chat, 1), (batch, 15)]  # nobody waits: the usual order again
+
+
+def test_a_less_important_decode_never_yields():
+    s = Scheduler(pool(blocks=64, bs=4), max_batch_size=8, max_num_tokens=8)
+    batch = preq("batch", 4, priority=5)
+    s.add(batch)
+    advance(s.schedule())  # its prompt done: it decodes from now on
+    chat = preq("chat", 20, priority=0, arrival=1.0)
+    s.add(chat)
+    assert s.schedule().scheduled == [(batch, 1), (chat, 7)]
+
+
+def test_prefills_of_one_priority_keep_their_arrival_order():
+    s = Scheduler(pool(blocks=64, bs=4), max_batch_size=8, max_num_tokens=16)
+    first = preq("first", 100, priority=5)
+    s.add(first)
+    advance(s.schedule())
+    s.add(preq("second", 10, priority=5, arrival=1.0))
+    assert [(r.request_id, n) for r, n in s.schedule().scheduled] == [("first", 16)]
+
+
+def test_a_yielded_prefill_preempted_to_admit_a_more_important_request_is_not_scheduled():
+    s = Scheduler(pool(blocks=8, bs=4), max_batch_size=8, max_num_tokens=20)
+    batch = preq("batch", 30, priority=5)
+    s.add(batch)
+    advance(s.schedule())  # 20 tokens: 5 blocks held
+    chat = preq("chat", 20, priority=0, arrival=1.0)  # 5 blocks: only 3 free
+    s.add(chat)
+    out = s.schedule()
+    assert out.preempted == [batch] and out.scheduled == [(chat, 20)]
+    assert batch.status == Status.WAITING and batch.block_table == []
+
+
 def test_a_decode_short_of_blocks_preempts_the_least_important_running_request():
     s = Scheduler(pool(blocks=4, bs=4), max_batch_size=8, max_num_tokens=64)
     chat, batch = preq("chat", 8, priority=0), preq("batch", 8, priority=2, arrival=-1.0)  # batch arrived first

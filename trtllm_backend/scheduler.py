@@ -9,7 +9,8 @@ retried.
 Priorities (SamplingParams.priority, lower is more important): both queues are kept in (priority, arrival)
 order, so the waiting head is the most important oldest request and preemption takes from the running tail. A
 waiting request that finds no room (blocks or batch slots) preempts running requests of a lower priority, never
-of its own or a higher one.
+of its own or a higher one. A running request's prefill chunks wait while a more important request waits
+to be admitted; decodes never wait.
 
 A request admitted with nothing computed first takes the longest cached prefix of its tokens from the pool's
 prefix cache: those tokens count as computed and are never prefilled (prefix_cache.py).
@@ -116,15 +117,23 @@ class Scheduler:
         """`token_budget`: this iteration's tokens (default and at most max_num_tokens)."""
         out = SchedulerOutput()
         budget = self.max_num_tokens if token_budget is None else min(token_budget, self.max_num_tokens)
-        # 1. Running requests first, most important and oldest first.
+        # 1. Running requests first, most important and oldest first. A prefill chunk of a running request less
+        #    important than the head of the queue waits until that head is admitted (decodes never wait): else an
+        #    interactive prompt queues behind a batch prompt's chunks, which may fill the budget for many steps.
+        head = self.waiting[0].priority if self.waiting else None
+        yielded: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
+            if head is not None and req.priority > head and req.num_tokens - req.num_computed > 1:
+                yielded.append(req)
+                i += 1
+                continue
             need = self._blocks_needed(req, n)
             blocks = self.pool.allocate(need) if need else []
             while blocks is None:
-                victim = self.running.pop()  # least important, newest; never one already scheduled (before i)
+                victim = self.running.pop()  # least important, newest; never one before i (scheduled or yielded)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -136,11 +145,23 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
             i += 1
-        # 2. Admit waiting requests while there is room, unless a running request just had to be preempted.
+        # 2. Admit waiting requests more important than those that yielded, then the yielded chunks, then the
+        #    rest of the queue while there is room, unless a running request just had to be preempted.
         starved = bool(out.preempted)
+        if yielded:
+            budget = self._admit(out, budget, starved, more_important_than=yielded[0].priority)
+            budget = self._continue_prefills(out, budget, yielded)
+        self._admit(out, budget, starved)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, starved: bool, more_important_than: int | None = None) -> int:
+        """Admit the head of the queue while there is room and budget (only requests of a priority below
+        `more_important_than`, if given); returns the budget left."""
         now = time.monotonic()
         while self.waiting and not starved and budget > 0:
             req = self.waiting[0]
+            if more_important_than is not None and req.priority >= more_important_than:
+                break
             looked = self._reuse_cached_prefix(req) if req.num_computed == 0 else 0
             n = min(req.num_tokens - req.num_computed, budget)
             need = self._blocks_needed(req, n)
@@ -171,7 +192,25 @@ class Scheduler:
             bisect.insort(self.running, req, key=_rank)
             out.scheduled.append((req, n))
             budget -= n
-        return out
+        return budget
+
+    def _continue_prefills(self, out: SchedulerOutput, budget: int, yielded: list[Request]) -> int:
+        """The budget left to the prefill chunks that yielded to the queue's head, in their order; one short of
+        blocks waits for the next iteration (it preempts nobody: it is not the most important work)."""
+        for req in yielded:
+            if budget <= 0:
+                break
+            if req.status != Status.RUNNING:  # preempted since, to admit a more important request
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self._blocks_needed(req, n)
+            blocks = self.pool.allocate(need) if need else []
+            if blocks is None:
+                continue
+            req.block_table.extend(blocks)
+            out.scheduled.append((req, n))
+            budget -= n
+        return budget
 
     def _room_for(self, need: int) -> list[int] | None:
         """`need` blocks for a request joining the batch, or None (no blocks, or no batch slot)."""
