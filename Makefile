@@ -18,11 +18,11 @@ generate: setup
 test: setup .venv-aiperf/bin/aiperf .venv-genaiperf/bin/genai-perf
 	$(PY) -m pytest -q tests
 
-# NVIDIA AIPerf for tests/test_aiperf_gateway.py, in a virtualenv of its own (its pins are not ours).
+# NVIDIA AIPerf for tests/openai/test_aiperf_gateway.py, in a virtualenv of its own (its pins are not ours).
 .venv-aiperf/bin/aiperf:
 	rm -rf .venv-aiperf && python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf==0.13.0
 
-# genai-perf for tests/test_genai_perf_triton.py, likewise (about 1 GB, under two minutes); it drives the
+# genai-perf for tests/triton/test_genai_perf_triton.py, likewise (about 1 GB, under two minutes); it drives the
 # perf_analyzer of build/perf_analyzer, which the test puts on its PATH.
 .venv-genaiperf/bin/genai-perf:
 	rm -rf .venv-genaiperf && python3 -m venv .venv-genaiperf && .venv-genaiperf/bin/pip install -q genai-perf==0.0.16
@@ -86,7 +86,7 @@ openai: setup
 # requests, 10% cancellations (tools/soak.py), then the long fuzzing run (2,400 cases, MORPHSERVE_SOAK=1).
 soak: setup
 	$(PY) -m tools.soak --minutes 10 --out results/reliability
-	MORPHSERVE_SOAK=1 $(PY) -m pytest -q -s tests/test_fuzz_server.py
+	MORPHSERVE_SOAK=1 $(PY) -m pytest -q -s tests/triton/test_fuzz_server.py
 
 .PHONY: soak-hour
 # The hour above capacity (issue targets: nothing lost, RSS slope within +-0.1 MiB/min, handles flat).

@@ -3,31 +3,15 @@ free ports, with a small KV pool and short intervals so the suite stays fast).""
 
 from __future__ import annotations
 
-import urllib.request
-
 import os
 from pathlib import Path
 
 import pytest
 
+from tests import ROOT
+from tests.triton_fixtures import TEST_SERVER_PARAMS
 from trtllm_backend.openmp_env import with_openmp_defaults
 from trtllm_backend.serve import free_ports
-
-ROOT = Path(__file__).resolve().parent.parent
-
-# The test server's overrides of config.pbtxt. The queue is large enough for 16 concurrent clients but small
-# enough that a burst of 40 requests overflows it. Morphing is pinned off: these tests compare served greedy
-# output with full-precision offline runs (the morph tests force swaps on purpose elsewhere).
-TEST_SERVER_PARAMS = {
-    "morph_policy": "full",
-    "max_tokens_in_paged_kv_cache": "2048",
-    "max_batch_size": "16",
-    "max_queue_size": "20",
-    "default_max_tokens": "16",
-    "metrics_interval_s": "0.1",
-    "cancel_poll_interval_s": "0.02",
-    "drain_timeout_s": "2",
-}
 
 
 def fragments_present() -> bool:
@@ -56,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def layer_set(tmp_path_factory) -> Path:
     """The real fragment set without the embedding / LM head unit: its units are the layers."""
-    from engine_fixtures import layers_only_copy
+    from tests.engine_fixtures import layers_only_copy
 
     return layers_only_copy(tmp_path_factory.mktemp("fragments") / "layers")
 
@@ -89,12 +73,3 @@ def triton_server(tmp_path_factory):
         if leaked:
             print(f"[conftest] removed leaked shared memory: {[p.name for p in leaked]}")
         assert not handle.stub_died, "the Python backend stub died during the session"
-
-
-def http_ready(http_url: str, timeout_s: float = 10) -> bool:
-    """Triton's readiness endpoint at host:port answers 200."""
-    try:
-        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except OSError:
-        return False

@@ -1,7 +1,7 @@
 """Every environment variable the project reads: one line each, its default and who reads it.
 
 The one list of them. `docs/configuration.md` ("Environment variables") is its generated Markdown
-(`python -m trtllm_backend.env_vars` prints it); `tests/test_env_vars.py` fails when a `MORPHSERVE_*` name in
+(`python -m trtllm_backend.env_vars` prints it); `tests/repo/test_env_vars.py` fails when a `MORPHSERVE_*` name in
 the code, scripts or Docker files is missing here or from that page, or when a name here is used nowhere.
 Python readers in `trtllm_backend` take the name (and the default) from here; the kernels (`plugins/`, which
 import nothing from `trtllm_backend`), the tests and the shell and Compose files spell the name out.
@@ -151,14 +151,14 @@ SOAK = _var(
     "MORPHSERVE_SOAK",
     "",
     "tests",
-    "tests/test_fuzz_server.py; set by `make soak`",
+    "tests/triton/test_fuzz_server.py; set by `make soak`",
     "`1`: the long fuzzing run (2,400 cases) instead of a few hundred",
 )
 FUZZ_SEED = _var(
     "MORPHSERVE_FUZZ_SEED",
     "",
     "tests",
-    "tests/test_fuzz_server.py",
+    "tests/triton/test_fuzz_server.py",
     "replay a fuzzing run with the seed it printed; unset: a random seed",
 )
 

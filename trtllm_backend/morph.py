@@ -112,7 +112,7 @@ class MorphManager:
     budget_bytes: int | None = None  # default: the full-precision model + base_kv_blocks
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (controller.parse_forced)
     # Where fragments are read and prepared (default: one background thread of its own), and the clock that times
-    # each swap: both given in by tests that run the manager without a model (tests/test_morph_manager_fakes.py).
+    # each swap: both given in by tests that run the manager without a model (tests/engine/test_morph_manager_fakes.py).
     executor: Executor | None = None
     clock: Callable[[], float] = time.monotonic
     swapped: list[_Swapped] = field(default_factory=list)  # a stack: restores pop from the end

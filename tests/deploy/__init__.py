@@ -1,0 +1,1 @@
+"""deploy/ (Kubernetes) and docker/ (images, Compose, Prometheus, Grafana), checked without a cluster or a daemon."""

@@ -1,0 +1,1 @@
+"""plugins/: the C++ CPU kernels against the torch ops they replace."""

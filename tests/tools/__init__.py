@@ -1,0 +1,1 @@
+"""tools/: the benchmarks, measurement and quality tools."""

@@ -1,0 +1,1 @@
+"""tools/capacity: the capacity harness."""

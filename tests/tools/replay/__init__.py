@@ -1,0 +1,1 @@
+"""tools/replay: the trace replay harness."""
