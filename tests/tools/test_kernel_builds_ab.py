@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pathlib import Path
-
 from plugins import cpu_kernels
+from tests import ROOT
 from tools import kernel_builds_ab
 
 
@@ -20,7 +19,7 @@ def test_fewer_than_two_builds_or_a_missing_one_is_refused(tmp_path, capsys):
 
 
 def test_trees_need_two_checkouts_of_the_project_and_one_library(tmp_path, capsys):
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(ROOT)
     for argv, says in [
         (["--tree", root], "two or more --tree"),
         (["--tree", root, "--tree", root, "--lib", "a.so", "--lib", "b.so"], "at most one --lib"),
@@ -49,7 +48,7 @@ def test_each_build_runs_in_its_own_process_and_the_ratio_comes_with_its_range(t
 @pytest.mark.needs_model
 @pytest.mark.skipif(not cpu_kernels.library_path().is_file(), reason="the C++ kernels are not built: run make setup")
 def test_checkouts_run_in_their_own_processes_on_one_library():
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(ROOT)
     out = kernel_builds_ab.run_pairs(
         [str(cpu_kernels.library_path())],
         ["full"],
