@@ -242,24 +242,23 @@ def llama_tokens(text: str, binary: Path = LLAMA_NLL, gguf: Path | None = None) 
 # ---------------------------------------------------------------- vLLM
 
 
-def vllm_nll(ids, dtype: str, model_dir: Path = HF_EXPORT, extra_env: dict | None = None) -> tuple[str, list]:
-    """vLLM's per-token NLLs of the windows (tools/vllm_nll.py in vLLM's venv) and the dtype it ran in."""
-    from tools.vllm_peer import BUILD_HINT, VLLM_PYTHON, vllm_installed
+def vllm_nll(ids, dtype: str, model_dir: Path = HF_EXPORT, cpus: str | None = None) -> tuple[str, list]:
+    """vLLM's per-token NLLs of the windows (tools/vllm_nll.py in vLLM's venv, its threads bound to `cpus`) and
+    the dtype it ran in."""
+    from tools.vllm_peer import BUILD_HINT, VLLM_PYTHON, vllm_env, vllm_installed
 
     if not vllm_installed():
         raise SystemExit(f"vLLM's venv is missing: {BUILD_HINT}")
-    with tempfile.NamedTemporaryFile("w", suffix=".ids") as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".ids") as f, tempfile.TemporaryFile("w+") as err:
         f.write(ids_text(ids))
         f.flush()
-        out = subprocess.run(
-            [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_nll.py")), str(model_dir), f.name, "--dtype", dtype],
-            check=True,
-            capture_output=True,
-            text=True,
-            env=os.environ | (extra_env or {}),
-        ).stdout
-    ran = next((line.split()[1] for line in out.splitlines() if line.startswith("dtype ")), "?")
-    return ran, parse_llama_nll(out)[1]
+        cmd = [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_nll.py")), str(model_dir), f.name, "--dtype", dtype]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=vllm_env(cpus, 1.0))
+        if proc.returncode:
+            err.seek(0)
+            raise RuntimeError(f"vllm_nll.py exited with {proc.returncode}:\n{err.read()[-3000:]}")
+    ran = next((line.split()[1] for line in proc.stdout.splitlines() if line.startswith("dtype ")), "?")
+    return ran, parse_llama_nll(proc.stdout)[1]
 
 
 def vllm_version() -> str:
@@ -307,6 +306,7 @@ def vllm_rows(ids, full_rows: list[list[float]], dtypes: list[str], args) -> dic
         **code_version(),
         "load_avg_1m_start": round(os.getloadavg()[0], 2),
         "machine_note": args.machine_note,
+        "vllm_cpus": args.vllm_cpus,
         "model": f"{HF_EXPORT.name} (tools/export_hf.py, float32)",
         "ours_full_perplexity": math.exp(sum(map(sum, full_rows)) / n),
         "runs": [],
@@ -314,7 +314,7 @@ def vllm_rows(ids, full_rows: list[list[float]], dtypes: list[str], args) -> dic
     t0 = time.monotonic()
     for dtype in dtypes:
         t = time.monotonic()
-        ran, rows = vllm_nll(ids, dtype)
+        ran, rows = vllm_nll(ids, dtype, cpus=args.vllm_cpus)
         if dtype == "auto":
             block["auto_dtype"] = ran
         row = {
@@ -345,6 +345,7 @@ def command_line(args) -> str:
     if args.fragment_dir != str(default_fragment_dir()):
         parts.append(f"--fragment-dir {shown}")
     parts += [f"--vllm-dtype {d}" for d in args.vllm_dtype] + (["--vllm-only"] if args.vllm_only else [])
+    parts += [f"--vllm-cpus {args.vllm_cpus}"] if args.vllm_cpus else []
     if args.machine_note:
         parts.append(f"--machine-note {json.dumps(args.machine_note)}")
     return "python -m tools.peer_perplexity " + " ".join(parts)
@@ -374,6 +375,7 @@ def main(argv=None) -> int:
         choices=["auto", "bfloat16", "float16", "float32"],
         help="add vLLM's row in this dtype (repeatable; auto: what it serves by default)",
     )
+    ap.add_argument("--vllm-cpus", help="the CPUs vLLM's OpenMP threads bind to (e.g. 1; default: vLLM's choice)")
     ap.add_argument("--vllm-only", action="store_true", help="only vLLM's rows, into --out's existing results")
     ap.add_argument("--machine-note", default="", help="what else ran on the machine (written beside the command)")
     ap.add_argument("--out", default=str(REPO / "results" / "quality"))

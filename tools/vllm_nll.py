@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--generate", type=int, default=0, help="greedy tokens per window instead of NLLs")
     ap.add_argument("--prefix", type=int, default=32, help="the prompt's length for --generate")
+    # On the CPU backend this is the share of the machine's memory it reserves (weights + KV), checked free at start.
+    ap.add_argument("--memory-utilization", type=float, default=0.1)
     args = ap.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
         dtype=args.dtype,
         max_model_len=longest,
         enable_prefix_caching=False,
+        gpu_memory_utilization=args.memory_utilization,
         seed=0,
     )
     config = llm.llm_engine.model_config

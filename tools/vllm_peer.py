@@ -63,6 +63,11 @@ def vllm_env(cpus: str | None, kv_gib: float) -> dict:
     return env
 
 
+# On the CPU backend `--gpu-memory-utilization` is the share of the machine's memory vLLM reserves (weights and
+# KV), and it must be free at start: its default 0.92 fails beside any other process.
+MEMORY_UTILIZATION = 0.1
+
+
 def serve_cmd(model_dir: Path, port: int, max_seqs: int, max_len: int, dtype: str, extra: list[str]) -> list[str]:
     """`vllm serve` on the HF export: OpenAI API, prefix caching off (every request prefills its whole prompt, as
     ours and llama.cpp's with cache_prompt off do)."""
@@ -83,6 +88,8 @@ def serve_cmd(model_dir: Path, port: int, max_seqs: int, max_len: int, dtype: st
         "--max-model-len",
         str(max_len),
         "--no-enable-prefix-caching",
+        "--gpu-memory-utilization",
+        str(MEMORY_UTILIZATION),
         "--seed",
         "0",
         *extra,
