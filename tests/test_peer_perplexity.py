@@ -132,7 +132,7 @@ def test_the_vllm_section_replaces_its_old_self_and_keeps_the_hand_written_readi
     assert once.index(pp.VLLM_HEADER) < once.index("## Reading") and "- a note" in once
     twice = pp.replace_section(once, pp.VLLM_HEADER + "\n\nnew")
     assert "old" not in twice and twice.count(pp.VLLM_HEADER) == 1 and "new" in twice and "- a note" in twice
-    assert pp.replace_section("table\n", "## S\n\nx").endswith("table\n## S\n\nx\n")
+    assert pp.replace_section("table\n", "## S\n\nx").endswith("table\n\n## S\n\nx\n")
 
 
 def test_vllm_nll_output_reads_as_llama_nlls():

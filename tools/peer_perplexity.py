@@ -147,7 +147,7 @@ def render_vllm(v: dict) -> str:
     lines = [
         VLLM_HEADER,
         "",
-        f"vLLM {v['vllm']} (CPU backend) on the Hugging Face export of our full weights (tools/export_hf.py: the "
+        f"{v['vllm']} (vLLM's CPU backend) on the Hugging Face export of our full weights (tools/export_hf.py: the "
         "GGUF's blocks dequantized, stored fp32), prompt logprobs of the same ids (tools/vllm_nll.py), each window "
         f"a prompt of its own, prefix caching off. Paired with ours `full` (fp32), recomputed in the same run: "
         f"{v['ours_full_perplexity']:.6f}. The dtype is what vLLM computed in; `auto` resolves to "
@@ -183,7 +183,8 @@ def replace_section(md: str, section: str, header: str = VLLM_HEADER) -> str:
     else:
         start = end = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
     new = section.rstrip("\n").split("\n") + ([""] if end < len(lines) else [])
-    return "\n".join(lines[:start] + new + lines[end:]) + "\n"
+    before = lines[:start] + ([""] if start and lines[start - 1].strip() else [])
+    return "\n".join(before + new + lines[end:]) + "\n"
 
 
 # ---------------------------------------------------------------- llama.cpp
