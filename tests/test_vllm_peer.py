@@ -8,7 +8,12 @@ from tools import vllm_peer
 
 def test_serve_command_is_the_openai_server_on_the_export_without_prefix_caching():
     cmd = vllm_peer.serve_cmd(Path("hf"), 8123, 16, 320, "auto", ["--enforce-eager"])
-    assert cmd[0].endswith("vllm-venv/bin/vllm") and cmd[1:3] == ["serve", "hf"]
+    assert cmd[0].endswith("vllm-venv/bin/python") and cmd[1:5] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "hf",
+    ]
     joined = " ".join(cmd)
     assert "--port 8123" in joined and "--max-num-seqs 16" in joined and "--max-model-len 320" in joined
     assert "--dtype auto" in joined and "--no-enable-prefix-caching" in joined and cmd[-1] == "--enforce-eager"

