@@ -71,6 +71,34 @@ def gguf_path() -> Path:
     return path
 
 
+class ServerExited(RuntimeError):
+    """A peer server died before it was healthy; `returncode` tells a crash (SIGILL: llama.cpp's AMX path on
+    some VMs) from other failures."""
+
+    def __init__(self, name: str, returncode: int, log) -> None:
+        super().__init__(f"{name} exited with {returncode}; see {log}")
+        self.returncode = returncode
+
+
+def wait_healthy(server, name: str, log, timeout_s: float, poll_s: float) -> None:
+    """Poll a started peer server's /health (`server.proc`, `server.port`) until it answers 200; raise
+    ServerExited if it dies first, or stop it and raise TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.proc.poll() is not None:
+            raise ServerExited(name, server.proc.returncode, log)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise TimeoutError(f"{name} not healthy in {timeout_s:.0f} s; see {log}")
+        time.sleep(poll_s)
+
+
 def build_llama_server(jobs: int = 2) -> Path:
     """llama.cpp's llama-server, built once into build/peers/ (a no-op when present)."""
     return build_llama_target("llama-server", jobs)
@@ -148,23 +176,11 @@ class LlamaServer:
         ]
         self._log = open(log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                self._log.close()
-                err = RuntimeError(f"llama-server exited with {self.proc.returncode}; see {log}")
-                err.returncode = self.proc.returncode  # the probe below tells SIGILL from other failures
-                raise err
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"llama-server not healthy in 120 s; see {log}")
-            time.sleep(0.5)
+        try:
+            wait_healthy(self, "llama-server", log, timeout_s=120, poll_s=0.5)
+        except ServerExited:
+            self._log.close()
+            raise
 
     @property
     def url(self) -> str:
@@ -618,8 +634,8 @@ def llama_repack_crashes(gguf: Path, threads: int, log: Path) -> bool:
     llama.cpp's AMX kernel does on some VMs (tools/llama_nll.cpp turns them off for the same reason)."""
     try:
         server = LlamaServer(gguf, 1, 256, threads, log, [])
-    except RuntimeError as e:  # it may die while loading the weights into those buffers
-        if getattr(e, "returncode", None) == -signal.SIGILL:
+    except ServerExited as e:  # it may die while loading the weights into those buffers
+        if e.returncode == -signal.SIGILL:
             return True
         raise
     try:

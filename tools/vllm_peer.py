@@ -18,11 +18,9 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from tools.bench_peers import PEERS_BUILD, cpu_list
+from tools.bench_peers import PEERS_BUILD, cpu_list, wait_healthy
 from tools.export_hf import DEFAULT_OUT as HF_EXPORT
 from tools.replay.provenance import code_version
 
@@ -133,20 +131,7 @@ class VllmServer:
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"vllm serve not healthy in {ready_timeout:.0f} s; see {log}")
-            time.sleep(1)
+        wait_healthy(self, "vllm serve", log, timeout_s=ready_timeout, poll_s=1)
 
     @property
     def url(self) -> str:
