@@ -178,6 +178,31 @@ def concurrency_levels(spec: str) -> list[int]:
     return list(range(start, end + 1, step))
 
 
+def _run_level(cmd: list[str], env: dict, level: int, profile_path: Path, out_dir: Path, timeout_s) -> dict:
+    """One level's run and its profile export. perf_analyzer 2.51 has exited 0 with its measurement printed and
+    the export left empty (once in a CI run): such a level is run again, once."""
+    for attempt in (1, 2):
+        print("[perf_analyzer]", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        (out_dir / f"perf_analyzer_c{level}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"perf_analyzer failed ({proc.returncode}) at concurrency {level}:\n"
+                f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            )
+        try:
+            return json.loads(profile_path.read_text())
+        except (OSError, ValueError) as e:
+            problem = (
+                f"perf_analyzer exited 0 at concurrency {level} but its profile export {profile_path} "
+                f"is unreadable ({e})"
+            )
+            if attempt == 2:
+                raise RuntimeError(problem + ", twice") from e
+            print(f"[perf_analyzer] {problem}: running the level again", flush=True)
+    raise AssertionError("unreachable")
+
+
 def run_sweep(
     url: str,
     model: str,
@@ -217,15 +242,7 @@ def run_sweep(
             *(["--request-count", str(max(request_count, level))] if request_count else []),
             *(extra or []),
         ]
-        print("[perf_analyzer]", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        (out_dir / f"perf_analyzer_c{level}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"perf_analyzer failed ({proc.returncode}) at concurrency {level}:\n"
-                f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-            )
-        levels.extend(summarize(json.loads(profile_path.read_text())))
+        levels.extend(summarize(_run_level(cmd, env, level, profile_path, out_dir, timeout_s)))
     (out_dir / "summary.json").write_text(json.dumps([asdict(lv) for lv in levels], indent=1))
     return levels
 
