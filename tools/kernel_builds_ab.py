@@ -165,8 +165,17 @@ def main(argv=None) -> int:
         args.lib, args.policy, args.context, args.batch, args.steps, args.pairs, args.weight_dtype, trees=args.tree
     )
     if args.json:
+        for r in result["runs"]:  # a committed result names no path of the machine it ran on
+            r["lib"] = portable_path(r["lib"])
         Path(args.json).write_text(json.dumps({**run, **result}, indent=1))
     return 0
+
+
+def portable_path(path: str) -> str:
+    """`path` relative to the repository when it lies inside it, else only its file name."""
+    p = Path(path).resolve()
+    root = Path(__file__).resolve().parent.parent
+    return str(p.relative_to(root)) if p.is_relative_to(root) else p.name
 
 
 if __name__ == "__main__":

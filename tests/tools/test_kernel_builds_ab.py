@@ -63,3 +63,8 @@ def test_checkouts_run_in_their_own_processes_on_one_library():
     assert "@" in label and not label.endswith("@?")
     assert [r["side"] for r in out["runs"]] == [label, label]
     assert all(r["step_s"]["full"] > 0 for r in out["runs"])
+
+
+def test_a_library_path_is_written_without_the_machine_s_folders(tmp_path):
+    assert kernel_builds_ab.portable_path(str(ROOT / "build" / "kernels" / "x.so")) == "build/kernels/x.so"
+    assert kernel_builds_ab.portable_path(str(tmp_path / "before.so")) == "before.so"
