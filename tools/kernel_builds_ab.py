@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from plugins import cpu_kernels
+from tools.replay.paths import REPO_ROOT, shown
 from tools.replay.provenance import code_version, now_utc
 
 
@@ -172,10 +173,9 @@ def main(argv=None) -> int:
 
 
 def portable_path(path: str) -> str:
-    """`path` relative to the repository when it lies inside it, else only its file name."""
+    """`path` relative to the repository when it lies inside it (paths.shown), else only its file name."""
     p = Path(path).resolve()
-    root = Path(__file__).resolve().parent.parent
-    return str(p.relative_to(root)) if p.is_relative_to(root) else p.name
+    return shown(p) if p.is_relative_to(REPO_ROOT) else p.name
 
 
 if __name__ == "__main__":
