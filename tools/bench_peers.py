@@ -416,10 +416,16 @@ PEER_TITLES = {"llama.cpp": "llama.cpp", "vllm": "vLLM"}
 
 def render(result: dict) -> str:
     names = result["servers"]
-    repeats = result.get("repeats", 1)
+    # A run stopped early (or still running) reports the rounds it finished.
+    repeats = result.get("rounds_done", result.get("repeats", 1))
     how = (
         f"{repeats} rounds over every level and server, the servers' order turning each round; per server and "
         "level the median round (by output tok/s)"
+        + (
+            f" (stopped after {repeats} of the {result['repeats']} rounds asked for)"
+            if repeats < result.get("repeats", repeats)
+            else ""
+        )
         if repeats > 1
         else "levels measured server after server"
     )
@@ -940,7 +946,10 @@ async def _measure(args, names, servers, prompts, result) -> None:
                         entry["servers"], result["bytes_per_token"], {n: f["GBps"] * 1e9 for n, f in floors.items()}
                     )
                 per_level[level].append(entry)
-        result["levels"] = [combine_rounds(lv, rounds) for lv, rounds in per_level.items()]
+            result["levels"] = [combine_rounds(lv, rounds) for lv, rounds in per_level.items()]
+            result["rounds_done"] = rnd + 1
+            # NOTE: every finished round is saved, so a run stopped early keeps its rounds (--report-only).
+            (ROOT / args.out / "peers.json").write_text(json.dumps(result, indent=1))
     finally:
         for t in targets.values():
             await t.close()

@@ -4,10 +4,13 @@ computed; and a mixed-priority variant (an interactive share of the conversation
 less important one).
 
 The trace gives each turn its arrival, its new message's length (the request's scaled prompt length) and its
-output length. NOTE: open loop: a turn's prompt carries a stand-in for the previous answer (corpus text of the
-length that turn was asked to generate), not the answer the server gave, so the prefix a server can reuse is the
-previous prompt only; a server that also caches generated blocks reuses no more of it here than it would of a
-real answer re-tokenized by a client.
+output length. Two clients:
+- open loop (`closed_loop=False`): a turn's prompt carries a stand-in for the previous answer (corpus text of the
+  length that turn was asked to generate), not the answer the server gave, so the prefix a server can reuse is
+  the previous prompt only;
+- a chat client (`closed_loop=True`): a turn waits for the previous turn's answer and resends it as the server
+  streamed it (text, re-tokenized by the server as any chat client's history is), so the blocks the server
+  generated can be reused too. The replay client joins the turns (tools.replay.runner, `Planned.follows`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tools.replay.client import Planned
+from tools.replay.client import Planned, chat_turn
 from tools.replay.traces import TraceRequest
 
 INTERACTIVE, BATCH = 0, 5  # the priorities of the mixed variant (lower is more important)
@@ -36,6 +39,7 @@ class Conversations:
     mean_turns: float = 4.0  # a request starts a new conversation with probability 1 / mean_turns
     max_context_tokens: int = 512  # a turn whose prompt + output would pass it starts a new conversation instead
     interactive_share: float | None = None  # mixed variant: share of conversations at INTERACTIVE, the rest BATCH
+    closed_loop: bool = False  # a chat client: each turn resends the server's own previous answer
 
     def __post_init__(self):
         if self.mean_turns < 1:
@@ -75,24 +79,36 @@ class Conversations:
             else f"; {self.interactive_share:.0%} of conversations interactive (priority {INTERACTIVE}), the rest batch "
             f"(priority {BATCH})"
         )
+        answers = (
+            "the server's own previous answers, each turn sent once the previous one ended (closed loop)"
+            if self.closed_loop
+            else "previous answers as corpus stand-ins"
+        )
         return (
             f"multi-turn: a request starts a conversation with probability 1/{self.mean_turns:g}, else continues "
-            f"a random open one; a turn resends the conversation so far (previous answers as corpus stand-ins) "
+            f"a random open one; a turn resends the conversation so far ({answers}) "
             f"up to {self.max_context_tokens} tokens with its output{mixed}"
         )
 
 
-def plan_turns(turns: list[Turn], prompts) -> list[Planned]:
+def plan_turns(turns: list[Turn], prompts, closed_loop: bool = False) -> list[Planned]:
     """Prompts for the turns: conversation c's message and stand-in answer of turn t are corpus text at their own
     offsets (`prompts`: tools.replay.prompts.PromptSource), and a turn's prompt is every earlier message and
-    answer of its conversation, then its own message."""
+    answer of its conversation, then its own message. `closed_loop`: a later turn carries only its message and
+    follows its conversation's previous turn (the client adds the history and the server's answer when it
+    sends it); its prompt_tokens stay the stand-in's count, an estimate (the answer has the same forced length)."""
     history: dict[int, str] = {}
+    last: dict[int, int] = {}  # conversation -> its previous turn's index
     out = []
     for i, t in enumerate(turns):
         message, _ = prompts.prompt(2 * (1000 * t.conversation + t.turn), t.message_tokens)
+        answer, _ = prompts.prompt(2 * (1000 * t.conversation + t.turn) + 1, t.output_tokens)
         prompt = history.get(t.conversation, "") + message
         n = len(prompts.tok.encode(prompt))
-        out.append(Planned(i, t.arrival_s, prompt, n, t.output_tokens, t.priority))
-        answer, _ = prompts.prompt(2 * (1000 * t.conversation + t.turn) + 1, t.output_tokens)
-        history[t.conversation] = prompt + "\n" + answer + "\n"
+        follows = last.get(t.conversation) if closed_loop else None
+        out.append(
+            Planned(i, t.arrival_s, message if follows is not None else prompt, n, t.output_tokens, t.priority, follows)
+        )
+        history[t.conversation] = chat_turn(prompt, answer, "")
+        last[t.conversation] = i
     return out

@@ -54,6 +54,7 @@ def run_probe(
         progress,
         probe_request(planned, prompts),
         1,
+        count_tokens=lambda text: len(prompts.tok.encode(text)),
     )
     load1 = os.getloadavg()
     res.load_avg = (load0[0], load1[0])

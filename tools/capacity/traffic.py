@@ -76,7 +76,7 @@ class Traffic:
         reqs, shaping = self.requests(rate_scale, seed)
         if self.conversations is None:
             return plan(reqs, prompts), shaping
-        out = plan_turns(self.conversations.turns(reqs, seed), prompts)
+        out = plan_turns(self.conversations.turns(reqs, seed), prompts, self.conversations.closed_loop)
         big = max(p.prompt_tokens + p.output_tokens for p in out)
         if big > self.max_tokens():
             raise ValueError(
@@ -208,6 +208,17 @@ KINDS["chat-kv-mixed"] = replace(
     name="chat-kv-mixed",
     conversations=replace(CHAT, interactive_share=0.2),
     what="chat-kv with 20% of the conversations interactive, the rest batch",
+)
+
+
+# `chat-kv-closed` is chat-kv played by a chat client: a turn waits for the previous turn's answer and resends it
+# (closed loop within a conversation; conversations still start when the trace says), so the blocks the server
+# generated are reusable too. Its turns, lengths and messages are chat-kv's.
+KINDS["chat-kv-closed"] = replace(
+    KINDS["chat-kv"],
+    name="chat-kv-closed",
+    conversations=replace(CHAT, closed_loop=True),
+    what="chat-kv played by a chat client that resends the server's own answers",
 )
 
 

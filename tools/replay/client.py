@@ -25,6 +25,16 @@ class Planned:
     prompt_tokens: int
     output_tokens: int  # forced: max_tokens = min_length = this
     priority: int = 0  # the model's `priority` input (lower is more important); 0 is not sent
+    # A chat client's next turn: the index of its conversation's previous turn. It is sent only after that turn
+    # ended, and its prompt is then `chat_turn(previous prompt, the server's answer, prompt)`; `prompt_tokens`
+    # is the plan's estimate until it is sent.
+    follows: int | None = None
+
+
+def chat_turn(history: str, answer: str, message: str) -> str:
+    """A multi-turn prompt: the conversation so far (the previous turn's prompt and its answer), then the new
+    message; the open-loop plan and the closed-loop client join turns alike."""
+    return history + "\n" + answer + "\n" + message
 
 
 @dataclass(slots=True)
@@ -107,7 +117,8 @@ class GrpcTarget:
             inputs.append(tensor("priority", np.int32(p.priority), "INT32"))
         return inputs
 
-    async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
+    async def send(self, p: Planned, rec: RequestRecord, clock: Clock, text: list[str] | None = None) -> None:
+        """Stream `p`, timing it into `rec`; the answer's text pieces are appended to `text` when given."""
         client = self.clients[self._next % len(self.clients)]
         self._next += 1
         done = asyncio.Event()
@@ -132,6 +143,8 @@ class GrpcTarget:
                 count = int(result.as_numpy("output_token_count").reshape(-1)[0])
                 int4 = result.as_numpy("int4_layers")
                 _record_tokens(rec, now, count, [] if int4 is None else int4.reshape(-1).tolist())
+                if text is not None and count > 0:
+                    text.append(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"))
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     rec.status = "ok"
                     break
@@ -159,7 +172,8 @@ class HttpSseTarget:
             timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
         )
 
-    async def send(self, p: Planned, rec: RequestRecord, clock: Clock) -> None:
+    async def send(self, p: Planned, rec: RequestRecord, clock: Clock, text: list[str] | None = None) -> None:
+        """Stream `p`, timing it into `rec`; the answer's text pieces are appended to `text` when given."""
         body = {
             "text_input": p.prompt,
             "max_tokens": p.output_tokens,
@@ -188,6 +202,8 @@ class HttpSseTarget:
                         int(data.get("output_token_count", 0)),
                         int4 if isinstance(int4, list) else [int4],
                     )
+                    if text is not None and data.get("text_output"):
+                        text.append(data["text_output"])
                 rec.status = "ok"
         finally:
             rec.end_s = clock.now()

@@ -221,3 +221,70 @@ def test_analysis_reads_probes_stored_before_priorities_and_reuse(tmp_path):
     put(tmp_path, "conv", 256, "full", 0, 0.1, 10, 10)
     n = analyse(tmp_path, None)[("conv", 256)]["full"].at_capacity[0]
     assert n["classes"] == {} and n["prefix_reused_tokens"] != n["prefix_reused_tokens"]  # nan: no gauge
+
+
+def test_the_closed_loop_kind_plays_chat_kvs_turns_as_a_chat_client():
+    _need_trace()
+    open_, _ = KINDS["chat-kv"].planned(0.05, 0, _Prompts())
+    closed, _ = KINDS["chat-kv-closed"].planned(0.05, 0, _Prompts())
+    assert [(p.arrival_s, p.output_tokens, p.prompt_tokens) for p in open_] == [
+        (p.arrival_s, p.output_tokens, p.prompt_tokens) for p in closed
+    ]
+    last: dict[int, int] = {}
+    followers = 0
+    for o, c in zip(open_, closed):
+        if c.follows is None:
+            assert c.prompt == o.prompt  # a conversation's first turn is sent as planned
+        else:
+            followers += 1
+            before = open_[c.follows]
+            # the open plan's prompt with the stand-in answer replaced: its history, then the same message
+            assert o.prompt.startswith(before.prompt + "\n") and o.prompt.endswith("\n" + c.prompt)
+            assert c.follows < c.index and last.get(c.follows) is None  # each turn is followed at most once
+            last[c.follows] = c.index
+    assert followers > len(closed) / 2
+    assert "the server's own previous answers" in KINDS["chat-kv-closed"].describe()
+
+
+class _ChatTarget:
+    """Answers every request with 'answer<index>' after `delay_s`, keeping what it was sent and when."""
+
+    def __init__(self, delay_s=0.05):
+        self.delay_s, self.sent = delay_s, {}
+
+    async def send(self, p, rec, clock, text=None):
+        rec.send_s = clock.now()
+        self.sent[p.index] = (p.prompt, rec.send_s)
+        await asyncio.sleep(self.delay_s)
+        rec.first_token_s = rec.end_s = clock.now()
+        rec.token_s, rec.status = [rec.end_s], "ok"
+        if text is not None:
+            text += ["answer", str(p.index)]
+
+
+def test_a_following_turn_is_sent_after_the_answer_with_the_answer_in_its_prompt():
+    from tools.replay.client import chat_turn
+
+    planned = [
+        Planned(0, 0.0, "hello", 1, 1),
+        Planned(1, 0.0, "other", 1, 1),
+        Planned(2, 0.01, "and then?", 99, 1, follows=0),  # due before turn 0 has answered
+        Planned(3, 0.2, "more", 99, 1, follows=2),  # due after turn 2 answered
+    ]
+    target = _ChatTarget()
+    res = asyncio.run(
+        run_window(planned, target, None, None, 5.0, False, None, 0, count_tokens=lambda t: len(t.split()))
+    )
+    assert [r.status for r in res.records] == ["ok"] * 4
+    second = chat_turn("hello", "answer0", "and then?")
+    assert target.sent[2][0] == second and target.sent[3][0] == chat_turn(second, "answer2", "more")
+    r0, _, r2, r3 = res.records
+    assert target.sent[2][1] >= r0.end_s and r2.arrival_s == r0.end_s  # due when the answer arrived
+    assert r3.arrival_s == pytest.approx(0.2, abs=0.05) and r3.send_s >= 0.2  # due as planned
+    assert r2.prompt_tokens == len(second.split())  # counted as sent, not the plan's estimate
+
+
+def test_turns_that_follow_others_need_a_token_counter():
+    planned = [Planned(0, 0.0, "a", 1, 1), Planned(1, 0.0, "b", 1, 1, follows=0)]
+    with pytest.raises(ValueError, match="count_tokens"):
+        asyncio.run(run_window(planned, _ChatTarget(), None, None, 1.0, False, None, 0))
