@@ -181,7 +181,10 @@ class LlamaServer:
             *extra,
         ]
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        # Its libraries sit beside it; the build's RUNPATH names the tree it was built in, which may be gone.
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(LLAMA_SERVER.parent), env.get("LD_LIBRARY_PATH")]))
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(self, "llama-server", log, timeout_s=120, poll_s=0.5)
         except ServerExited:
