@@ -109,6 +109,8 @@ def plan_turns(turns: list[Turn], prompts, closed_loop: bool = False) -> list[Pl
         out.append(
             Planned(i, t.arrival_s, message if follows is not None else prompt, n, t.output_tokens, t.priority, follows)
         )
-        history[t.conversation] = chat_turn(prompt, answer, "")
+        # NOTE: the open loop's stand-in answer starts on a line of its own (the prompts planned before the
+        # closed loop existed, kept so that their probes replay the same text).
+        history[t.conversation] = chat_turn(prompt, "\n" + answer, "")
         last[t.conversation] = i
     return out

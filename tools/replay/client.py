@@ -32,9 +32,10 @@ class Planned:
 
 
 def chat_turn(history: str, answer: str, message: str) -> str:
-    """A multi-turn prompt: the conversation so far (the previous turn's prompt and its answer), then the new
-    message; the open-loop plan and the closed-loop client join turns alike."""
-    return history + "\n" + answer + "\n" + message
+    """A multi-turn prompt: the previous turn's prompt with its answer right after it, as the server generated it
+    (so the blocks holding the answer's tokens can be found again), then the new message on a line of its own;
+    the open-loop plan and the closed-loop client join turns alike."""
+    return history + answer + "\n" + message
 
 
 @dataclass(slots=True)

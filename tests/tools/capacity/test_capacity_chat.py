@@ -277,6 +277,7 @@ def test_a_following_turn_is_sent_after_the_answer_with_the_answer_in_its_prompt
     )
     assert [r.status for r in res.records] == ["ok"] * 4
     second = chat_turn("hello", "answer0", "and then?")
+    assert second == "helloanswer0\nand then?"  # the answer right after its prompt, as the server generated it
     assert target.sent[2][0] == second and target.sent[3][0] == chat_turn(second, "answer2", "more")
     r0, _, r2, r3 = res.records
     assert target.sent[2][1] >= r0.end_s and r2.arrival_s == r0.end_s  # due when the answer arrived
