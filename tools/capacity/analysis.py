@@ -200,8 +200,8 @@ def analyse(root: Path, quality: dict[int, float] | None) -> dict[tuple[str, int
 
 
 def same_rate(root: Path, traffic: str, pool: int, quality: dict[int, float] | None) -> list[tuple[int, float, dict]]:
-    """(seed, rate, policy -> probe_numbers) for every seed and rate that `full` and another policy both probed:
-    the direct comparison at equal load (the probes ran back to back)."""
+    """(seed, rate, policy -> probe_numbers) for every seed and rate that two or more policies probed: the direct
+    comparison at equal load (the probes ran back to back), with or without `full` among them."""
     by: dict[tuple[int, float], dict[str, Path]] = defaultdict(dict)
     for path in store.stored(root):
         p = store.load_probe(path)
@@ -210,7 +210,7 @@ def same_rate(root: Path, traffic: str, pool: int, quality: dict[int, float] | N
     return [
         (seed, rate, {pol: probe_numbers(path, quality) for pol, path in paths.items()})
         for (seed, rate), paths in sorted(by.items())
-        if REFERENCE in paths and len(paths) > 1
+        if len(paths) > 1
     ]
 
 

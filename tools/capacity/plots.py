@@ -1,5 +1,6 @@
 """PNGs of a capacity measurement: attainment against rate per policy, the regime map (capacity ratio to full
-against the KV pool size) and the frontier (capacity against time-weighted quality loss)."""
+against the KV pool size), the frontier (capacity against time-weighted quality loss) and attainment against
+quality loss where several policies were probed at the same rate."""
 
 from __future__ import annotations
 
@@ -113,6 +114,40 @@ def frontier(path: Path, title: str, results: dict) -> None:
         ax.annotate(policy, (100 * x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xlabel("time-weighted perplexity loss at capacity (%)")
     ax.set_ylabel("capacity / full's, same seeds (95% CI)")
+    ax.set_title(title)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _static(policy: str) -> bool:
+    """full, int4 and int4:N (with any +option): one precision all the run, a point on the static curve."""
+    base = policy.split("+")[0]
+    return base == "full" or base.startswith("int4")
+
+
+def same_rate(path: Path, title: str, rows: list[tuple[int, float, dict]]) -> None:
+    """Every seed and rate several policies probed back to back: attainment against the time-weighted quality
+    loss they paid for it. Static policies are joined by a line (the curve a static choice moves along); a
+    dynamic policy above that line serves more at the same quality."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (seed, rate, by_policy) in enumerate(rows):
+        colour = f"C{i}"
+        pts = {p: (100 * n["quality_loss"], 100 * n["attainment"]) for p, n in by_policy.items()}
+        pts = {p: xy for p, xy in pts.items() if not math.isnan(xy[0])}
+        static = sorted(xy for p, xy in pts.items() if _static(p))
+        if static:
+            ax.plot(*zip(*static), marker="o", color=colour, label=f"seed {seed}, x{rate:g}: static")
+        dynamic = [xy for p, xy in pts.items() if not _static(p)]
+        if dynamic:
+            ax.plot(*zip(*dynamic), ls="", marker="*", ms=12, color=colour, label=f"seed {seed}, x{rate:g}: dynamic")
+        for p, (x, y) in pts.items():
+            ax.annotate(p, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8, color=colour)
+    ax.axhline(100 * TARGET_ATTAINMENT, color="k", lw=0.8, ls="--")
+    ax.set_xlabel("time-weighted perplexity loss over the probe (%)")
+    ax.set_ylabel("SLO attainment (%)")
     ax.set_title(title)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)

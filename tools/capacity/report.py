@@ -137,18 +137,21 @@ def same_rate_table(rows: list[tuple[int, float, dict]]) -> list[str]:
     if not rows:
         return []
     out = [
-        "Same seed, same rate, back to back (every rate both `full` and another policy probed):",
+        "Same seed, same rate, back to back (every seed and rate two or more policies probed; quality loss: "
+        "time-weighted perplexity loss over the probe's tokens):",
         "",
-        "| seed | rate scale | offered req/s | policy | attainment | misses: TTFT / TPOT / both / incomplete "
+        "| seed | rate scale | offered req/s | policy | attainment | quality loss "
+        "| misses: TTFT / TPOT / both / incomplete "
         "| P50 / P95 TTFT (s) | P95 TPOT (s) "
         "| decode batch mean / max | waiting (mean) | preemptions | layers swapped to INT4 | INT4 layers / token "
         "| peak KV (x full) | load 1-min |",
-        "|---" * 15 + "|",
+        "|---" * 16 + "|",
     ]
     for seed, rate, by_policy in rows:
         for policy, n in sorted(by_policy.items(), key=lambda kv: kv[0] != REFERENCE):
             out.append(
                 f"| {seed} | {rate:g} | {n['offered_req_s']:.2f} | {policy} | {n['attainment']:.1%} "
+                f"| {_f(100 * n['quality_loss'], '{:+.2f}%')} "
                 f"| {n['misses']['ttft']} / {n['misses']['tpot']} / {n['misses']['both']} / {n['misses']['incomplete']} "
                 f"| {_f(n['ttft_p50'])} / {_f(n['ttft_p95'])} | {_f(n['tpot_p95'], '{:.3f}')} "
                 f"| {_f(n['decode_batch_mean'], '{:.1f}')} / {_f(n['decode_batch_max'], '{:.0f}')} "
@@ -315,7 +318,12 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
         lines += [HEADER] + [policy_row(r, cell.get(REFERENCE)) for r in ordered.values()] + [""]
         if traffic.startswith("conv"):
             lines += ["Targets (issue 12, decode-heavy):", ""] + targets(cell) + [""]
-        lines += same_rate_table(same_rate(out, traffic, pool, quality))
+        equal_load = same_rate(out, traffic, pool, quality)
+        lines += same_rate_table(equal_load)
+        if quality and equal_load:
+            png = f"same_rate_{traffic}_pool{pool}.png"
+            plots.same_rate(out / png, f"equal load: {traffic}, pool {pool}", equal_load)
+            lines += [f"![attainment against quality at equal load]({png})", ""]
         over_lines, over_data = overload_section(
             overload.pairs(out, traffic, pool, quality), traffic.startswith("conv")
         )

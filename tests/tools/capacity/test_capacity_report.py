@@ -81,10 +81,13 @@ def test_report_and_json(folder, quality, tmp_path):
     assert "Same seed, same rate, back to back" in text
     section = text.split("Same seed")[1].split("![")[0]
     assert section.count("| 0 | 0.1 | ") == 2 and "| 1 | 0." not in section
+    assert "| 0 | 0.1 | 1.00 | balanced | 100.0% | +4.00% |" in section  # 4 INT4 layers: ppl 10.4 against 10.0
+    assert "| 0 | 0.1 | 1.00 | full | 95.0% | +0.00% |" in section
     assert text.count("| conv | 256 |") == 18  # every probe in the log
     for png in (
         "attainment_conv_pool256.png",
         "frontier_conv_pool256.png",
+        "same_rate_conv_pool256.png",
         "timeline_conv_pool256_full.png",
         "timeline_conv_pool256_balanced.png",
     ):
@@ -174,3 +177,16 @@ def test_misses_are_sorted_by_cause():
     recs[4].token_s = [recs[4].first_token_s + k for k in range(4)]  # 5 s TTFT and slow
     recs[4].end_s = recs[4].token_s[-1]
     assert misses(recs, rm.Slo(2.0, 0.35)) == {"ttft": 1, "tpot": 1, "both": 1, "incomplete": 1}
+
+
+def test_policies_probed_at_one_rate_compare_without_full(tmp_path, quality):
+    # a static and a dynamic policy at one rate, full not probed there: still a row each, and the plot
+    put(tmp_path, "conv", 256, "int4:2", 0, 0.14, 100, 90, 2)
+    put(tmp_path, "conv", 256, "balanced", 0, 0.14, 100, 95, 1)
+    put(tmp_path, "conv", 256, "balanced", 0, 0.2, 100, 50, 6)  # alone at its rate: no comparison
+    write_report(tmp_path, tmp_path / "capacity.json", quality, "python -m tools.capacity --fixture")
+    section = (tmp_path / "report.md").read_text().split("Same seed")[1].split("![")[0]
+    assert "| 0 | 0.14 | 1.40 | int4:2 | 90.0% | +2.00% |" in section
+    assert "| 0 | 0.14 | 1.40 | balanced | 95.0% | +1.00% |" in section
+    assert "| 0.2 |" not in section
+    assert (tmp_path / "same_rate_conv_pool256.png").stat().st_size > 0
