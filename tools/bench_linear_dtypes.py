@@ -12,25 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from plugins import cpu_kernels, skinny_gemm
+from tools.bench_engine import median_time
 
 # SmolLM2-135M: fused qkv (576 -> 576 + 2 x 192), o (576 -> 576), fused gate_up (576 -> 2 x 1536), down (1536 -> 576)
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
 def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_time(fn, reps, warmup=1) * 1e3
 
 
 def layer_ms(rows: int, reps: int = 30, seed: int = 0) -> dict[str, float]:

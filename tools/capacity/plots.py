@@ -112,14 +112,9 @@ def frontier(path: Path, title: str, results: dict) -> None:
             label=label,
         )
         ax.annotate(policy, (100 * x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set_xlabel("time-weighted perplexity loss at capacity (%)")
-    ax.set_ylabel("capacity / full's, same seeds (95% CI)")
-    ax.set_title(title)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(
+        fig, ax, path, title, "time-weighted perplexity loss at capacity (%)", "capacity / full's, same seeds (95% CI)"
+    )
 
 
 def _static(policy: str) -> bool:
@@ -146,8 +141,13 @@ def same_rate(path: Path, title: str, rows: list[tuple[int, float, dict]]) -> No
         for p, (x, y) in pts.items():
             ax.annotate(p, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8, color=colour)
     ax.axhline(100 * TARGET_ATTAINMENT, color="k", lw=0.8, ls="--")
-    ax.set_xlabel("time-weighted perplexity loss over the probe (%)")
-    ax.set_ylabel("SLO attainment (%)")
+    _save(fig, ax, path, title, "time-weighted perplexity loss over the probe (%)", "SLO attainment (%)")
+
+
+def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str) -> None:
+    """Label the axes, add the legend if anything is labelled, write the PNG and free the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
