@@ -257,7 +257,12 @@ def vllm_nll(ids, dtype: str, model_dir: Path = HF_EXPORT, cpus: str | None = No
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=vllm_env(cpus, 1.0))
         if proc.returncode:
             err.seek(0)
-            raise RuntimeError(f"vllm_nll.py exited with {proc.returncode}:\n{err.read()[-3000:]}")
+            # how far it got tells a crash while scoring from one at vLLM's teardown after every window was printed
+            done = sum(line.startswith("nll ") for line in proc.stdout.splitlines())
+            raise RuntimeError(
+                f"vllm_nll.py exited with {proc.returncode} after printing {done} of {len(ids)} windows:\n"
+                f"{err.read()[-3000:]}"
+            )
     ran = next((line.split()[1] for line in proc.stdout.splitlines() if line.startswith("dtype ")), "?")
     return ran, parse_llama_nll(proc.stdout)[1]
 
