@@ -30,7 +30,7 @@ printed beside its speed.
 At one stream each server's decode rate is also given as a share of its memory floor (the weights it reads per
 token over the read bandwidth at that many bytes, the fastest of plugins.read_bandwidth's readers on the servers'
 CPUs, measured before each round), so the peers meet the same physical yardstick.
-Writes `<out>/peers.json` (every figure, every request's timings, the command) and `<out>/report.md` (with
+Writes `<out>/peers.json.gz` (every figure, every request's timings, the command) and `<out>/report.md` (with
 `<out>/notes.md` appended when present; `python -m tools.bench_peers --report-only --out DIR` rebuilds it).
 """
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import importlib.metadata
 import json
 import math
@@ -638,7 +639,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--machine-note", default="", help="what else ran on the machine (written into the report)")
     ap.add_argument("--out", default="results/peers")
-    ap.add_argument("--report-only", action="store_true", help="rebuild report.md from <out>/peers.json")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild report.md from <out>/peers.json.gz (or an older run's peers.json)",
+    )
     args = ap.parse_args(argv)
     if bad := [kv for kv in args.ours_param if "=" not in kv.strip("=")]:
         ap.error(f"--ours-param takes KEY=VALUE, got {bad}")
@@ -730,12 +735,27 @@ def llama_repack_crashes(gguf: Path, threads: int, log: Path) -> bool:
         server.stop()
 
 
+def save_result(out: Path, result: dict) -> None:
+    """`<out>/peers.json.gz`: every request's timings make the plain JSON of a 5-round run ~20 MB."""
+    with gzip.open(out / "peers.json.gz", "wt") as f:
+        json.dump(result, f, separators=(",", ":"))
+
+
+def load_result(out: Path) -> dict:
+    """What save_result wrote, or the plain `peers.json` of runs before it."""
+    gz = out / "peers.json.gz"
+    if gz.exists():
+        with gzip.open(gz, "rt") as f:
+            return json.load(f)
+    return json.loads((out / "peers.json").read_text())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     names = args.names
     if args.report_only:
         out = ROOT / args.out
-        write_report(out, json.loads((out / "peers.json").read_text()))
+        write_report(out, load_result(out))
         return 0
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -842,7 +862,7 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    (out / "peers.json").write_text(json.dumps(result, indent=1))
+    save_result(out, result)
     write_report(out, result)
     return 0
 
@@ -955,7 +975,7 @@ async def _measure(args, names, servers, prompts, result) -> None:
             result["levels"] = [combine_rounds(lv, rounds) for lv, rounds in per_level.items()]
             result["rounds_done"] = rnd + 1
             # NOTE: every finished round is saved, so a run stopped early keeps its rounds (--report-only).
-            (ROOT / args.out / "peers.json").write_text(json.dumps(result, indent=1))
+            save_result(ROOT / args.out, result)
     finally:
         for t in targets.values():
             await t.close()
