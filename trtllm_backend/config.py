@@ -11,6 +11,7 @@ import torch
 from .controller import parse_forced
 from .precision import LM_HEAD_PRECISIONS
 from .priority import PRIORITY_MAX, PRIORITY_MIN, is_priority
+from .scheduler import CAPACITY_POLICIES
 
 
 def _positive(name: str, value) -> None:
@@ -56,6 +57,10 @@ class EngineConfig:
     # everything before them, and a request reuses the longest cached prefix instead of prefilling it. On by
     # default (as vLLM and TensorRT-LLM users expect): KV is reused only under the weights that computed it.
     enable_prefix_caching: bool = True
+    # Who gets KV when the pool is short (TensorRT-LLM's batch_scheduler_policy; trtllm_backend/scheduler.py):
+    # max_utilization admits on the next chunk and preempts (recompute) when running requests outgrow the pool;
+    # guaranteed_no_evict admits only what can run to prompt + max_tokens beside everything running.
+    batch_scheduler_policy: str = "max_utilization"
 
     # ---- Kernel numerics (each engine's own: trtllm_backend/kernel_numerics.py)
     # Activations of the C++ INT4 decode kernel (plugins/quant_matmul.INT4_ACTIVATIONS): int8 (per-32 absmax,
@@ -119,6 +124,10 @@ class EngineConfig:
             raise ValueError("max_tokens_in_paged_kv_cache must hold at least one block")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.batch_scheduler_policy not in CAPACITY_POLICIES:
+            raise ValueError(
+                f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, got {self.batch_scheduler_policy!r}"
+            )
         cutoff = self.morph_priority_cutoff
         if not is_priority(cutoff):
             raise ValueError(

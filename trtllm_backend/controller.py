@@ -186,7 +186,8 @@ class Load:
     now: float
     waiting: int
     head_wait_s: float = 0.0
-    kv_usage: float = 0.0
+    kv_usage: float = 0.0  # blocks held, and promised to running requests (scheduler.reserved_blocks), over all
+    kv_reserved_blocks: int = 0  # blocks promised to running requests beyond those they hold
     admission_blocked: bool = False
     new_preemptions: int = 0
     head_blocks_short: int = 0  # blocks the head of the queue lacks (0 if none waits)

@@ -72,7 +72,9 @@ class LLMEngine:
             log.warning(
                 "weights and KV stay on 4 KiB pages: %s (decode steps are slower so: trtllm_backend/huge_pages.py)", why
             )
-        self.scheduler = Scheduler(self.pool, config.max_batch_size, config.max_num_tokens)
+        self.scheduler = Scheduler(
+            self.pool, config.max_batch_size, config.max_num_tokens, config.batch_scheduler_policy
+        )
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
         self._seen_preemptions = 0
@@ -299,11 +301,13 @@ class LLMEngine:
         head = s.head_within(cutoff)
         driving = s.preemptions_within(cutoff)
         preemptions, self._seen_preemptions = driving - self._seen_preemptions, driving
+        reserved = s.reserved_blocks()  # promised to running requests (guaranteed_no_evict): as good as used
         load = Load(
             now=now,
             waiting=waiting,
             head_wait_s=now - head.timings.arrival if head else 0.0,
-            kv_usage=p.num_used / p.num_blocks if p.num_blocks else 0.0,
+            kv_usage=(p.num_used + reserved) / p.num_blocks if p.num_blocks else 0.0,
+            kv_reserved_blocks=reserved,
             admission_blocked=self._admission_blocked,
             new_preemptions=preemptions,
             head_blocks_short=s.head_blocks_short(cutoff),

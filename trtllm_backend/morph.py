@@ -209,13 +209,14 @@ class MorphManager:
     def swapped_layers(self) -> list[int]:
         return [s.unit for s in self.swapped + self.stuck if self.units[s.unit].kind == LayerUnit.kind]
 
-    def usage_after_shrink(self) -> float:
+    def usage_after_shrink(self, reserved_blocks: int = 0) -> float:
         """KV usage if the most recent swap's blocks were gone (1.0 when nothing can shrink); cached blocks nobody
-        holds count as free (a shrink drops the coldest of them: KVPool.evacuate)."""
+        holds count as free (a shrink drops the coldest of them: KVPool.evacuate), blocks promised to running
+        requests (`reserved_blocks`, guaranteed_no_evict) as used."""
         p = self.pool
         top = self.swapped[-1].segment if self.swapped else None
         remaining = p.num_blocks - (top.num_blocks if top else 0)
-        return p.num_used / remaining if self.swapped and remaining > 0 else 1.0
+        return (p.num_used + reserved_blocks) / remaining if self.swapped and remaining > 0 else 1.0
 
     def busy(self, iteration: int) -> bool:
         """An action is in flight, queued, or forced at or before `iteration`."""
@@ -328,7 +329,7 @@ class MorphManager:
             load,
             blocks_per_layer=self.blocks_per_layer,
             int4_layers=self.morphed_units,
-            usage_after_shrink=self.usage_after_shrink(),
+            usage_after_shrink=self.usage_after_shrink(load.kv_reserved_blocks),
             swap_speeds_up=self.swap_speeds_up(load.batch) if self.policy.slowness_counts else False,
         )
 

@@ -14,6 +14,12 @@ to be admitted; decodes never wait.
 
 A request admitted with nothing computed first takes the longest cached prefix of its tokens from the pool's
 prefix cache: those tokens count as computed and are never prefilled (prefix_cache.py).
+
+Capacity policies (TensorRT-LLM's `batch_scheduler_policy`): MAX_UTILIZATION admits a request when its next chunk
+fits and preempts when running requests outgrow the pool (vLLM's way). GUARANTEED_NO_EVICT (TensorRT-LLM's
+default) admits a request only when the pool can also hold every running request, and this one, up to prompt +
+max_tokens: a started request is never preempted for KV (only a shrinking pool or a more important request can
+still take its blocks). The blocks so promised count as used wherever KV pressure is judged (`reserved_blocks`).
 """
 
 from __future__ import annotations
@@ -38,9 +44,17 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+MAX_UTILIZATION = "max_utilization"
+GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+CAPACITY_POLICIES = (MAX_UTILIZATION, GUARANTEED_NO_EVICT)
+
+
 class Scheduler:
-    def __init__(self, pool: KVPool, max_batch_size: int, max_num_tokens: int):
+    def __init__(self, pool: KVPool, max_batch_size: int, max_num_tokens: int, policy: str = MAX_UTILIZATION):
+        if policy not in CAPACITY_POLICIES:
+            raise ValueError(f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, got {policy!r}")
         self.pool = pool
+        self.guaranteed = policy == GUARANTEED_NO_EVICT
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.waiting: list[Request] = []  # (priority, arrival) order: the head is admitted first
@@ -57,6 +71,16 @@ class Scheduler:
     def _blocks_needed(self, req: Request, new_tokens: int) -> int:
         bs = self.pool.block_size
         return max(0, -(-(req.num_computed + new_tokens) // bs) - len(req.block_table))
+
+    def _blocks_to_finish(self, req: Request) -> int:
+        """Blocks the request needs beyond those it holds to reach prompt + max_tokens (the engine admits no request
+        whose sum exceeds the context)."""
+        final = len(req.prompt_ids) + req.params.max_tokens
+        return max(0, -(-final // self.pool.block_size) - len(req.block_table))
+
+    def reserved_blocks(self) -> int:
+        """GUARANTEED_NO_EVICT: blocks promised to running requests beyond those they hold (0 under MAX_UTILIZATION)."""
+        return sum(self._blocks_to_finish(r) for r in self.running) if self.guaranteed else 0
 
     def _preempt(self, req: Request) -> None:
         self._drop_blocks(req)
@@ -98,12 +122,16 @@ class Scheduler:
 
     def head_blocks_short(self, priority: int) -> int:
         """KV blocks the head of the queue (as `head_within`) lacks to be admitted with its whole prompt: the blocks
-        its uncomputed tokens need beyond what the pool can hand out now (cached blocks nobody holds count as free);
-        0 if no such request waits. What a swap down must pay for to admit it (controller.Controller.decide)."""
+        its uncomputed tokens need (under GUARANTEED_NO_EVICT: all it may grow to) beyond what the pool can hand out now
+        (cached blocks nobody holds count as free, blocks promised to running requests do not); 0 if none waits. What a swap down must pay for to admit it (controller.Controller.decide)."""
         head = self.head_within(priority)
         if head is None:
             return 0
-        return max(0, self._blocks_needed(head, head.num_tokens - head.num_computed) - self.pool.num_allocatable)
+        if self.guaranteed:
+            need = self._blocks_to_finish(head)
+        else:
+            need = self._blocks_needed(head, head.num_tokens - head.num_computed)
+        return max(0, need - (self.pool.num_allocatable - self.reserved_blocks()))
 
     def preemptions_within(self, priority: int) -> int:
         """Preemptions so far of requests of this priority or a more important one."""
@@ -165,7 +193,7 @@ class Scheduler:
             looked = self._reuse_cached_prefix(req) if req.num_computed == 0 else 0
             n = min(req.num_tokens - req.num_computed, budget)
             need = self._blocks_needed(req, n)
-            blocks = self._room_for(need)
+            blocks = self._room_for(req, need)
             while blocks is None and self.running and self.running[-1].priority > req.priority:
                 victim = self.running.pop()  # less important: it makes room (its scheduled tokens are given back)
                 for j, (r, k) in enumerate(out.scheduled):
@@ -175,7 +203,7 @@ class Scheduler:
                         break
                 self._preempt(victim)
                 out.preempted.append(victim)
-                blocks = self._room_for(need)
+                blocks = self._room_for(req, need)
             if blocks is None:
                 out.admission_blocked = len(self.running) < self.max_batch_size
                 self._drop_blocks(req)  # the reused prefix goes back to the cache until the next try
@@ -212,9 +240,14 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _room_for(self, need: int) -> list[int] | None:
-        """`need` blocks for a request joining the batch, or None (no blocks, or no batch slot)."""
-        return self.pool.allocate(need) if len(self.running) < self.max_batch_size else None
+    def _room_for(self, req: Request, need: int) -> list[int] | None:
+        """`need` blocks for `req` joining the batch, or None (no blocks, no batch slot, or, under
+        GUARANTEED_NO_EVICT, no room for it and every running request to finish)."""
+        if len(self.running) >= self.max_batch_size:
+            return None
+        if self.guaranteed and self._blocks_to_finish(req) > self.pool.num_allocatable - self.reserved_blocks():
+            return None
+        return self.pool.allocate(need)
 
     def finish(self, req: Request) -> None:
         """Remove a request wherever it is and give its blocks back."""

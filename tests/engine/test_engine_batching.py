@@ -37,6 +37,17 @@ def test_tiny_pool_forces_preemption_and_finishes_every_request(lone):
     assert engine.pool.num_used == 0
 
 
+def test_guaranteed_no_evict_never_preempts_in_the_same_tiny_pool(lone):
+    engine = make_engine(
+        block_size=8, max_tokens_in_paged_kv_cache=64 + 8 * 2, batch_scheduler_policy="guaranteed_no_evict"
+    )
+    batched, _ = run_greedy(engine, PROMPTS, MAX_TOKENS)
+    assert engine.scheduler.num_preemptions == 0 and len(batched) == len(PROMPTS)
+    for rid, toks in batched.items():
+        assert_same_up_to_near_tie(lone[0][rid], lone[1][rid], toks)
+    assert engine.pool.num_used == 0 and engine.scheduler.reserved_blocks() == 0
+
+
 def test_prefill_cut_to_the_step_budget_beside_decodes_matches_lone_runs(lone):
     engine = make_engine(max_num_tokens=256, prefill_chunk_tpot_share=0.5)
     budget = engine.step_budget

@@ -129,6 +129,8 @@ def test_bad_config_values_are_named():
             EngineConfig(fragment_dir="x", prefill_chunk_tpot_share=share)
     with pytest.raises(ValueError, match="lm_head_activations must be auto, int8 or float32"):
         EngineConfig(fragment_dir="x", lm_head_activations="int4")
+    with pytest.raises(ValueError, match="batch_scheduler_policy must be one of max_utilization, guaranteed_no_evict"):
+        EngineConfig(fragment_dir="x", batch_scheduler_policy="static_batch")
     for dtype, weight_dtype in (("bfloat16", "float16"), ("float16", "float32")):
         with pytest.raises(ValueError, match=f"weight_dtype={weight_dtype} with dtype={dtype}"):
             EngineConfig(fragment_dir="x", dtype=dtype, weight_dtype=weight_dtype)

@@ -278,6 +278,8 @@ def test_a_restore_keeps_the_cached_prefixes_it_moves_and_counts_idle_blocks_as_
     cached = [b for b in pool.cache.evictable if added.owns(b)]
     assert cached
     assert engine.morph.usage_after_shrink() == pool.num_used / pool.segments[0].num_blocks  # idle blocks: free
+    promised = engine.morph.usage_after_shrink(reserved_blocks=2)  # guaranteed_no_evict's promises: as good as used
+    assert promised == (pool.num_used + 2) / pool.segments[0].num_blocks
     pool.free(hold)
     names = set(pool.cache.block_of)
     forced("up")

@@ -223,3 +223,94 @@ def test_head_blocks_short_counts_what_the_head_of_the_queue_lacks_within_a_prio
     assert s.head_within(1) is None and s.head_blocks_short(1) == 0  # a less important head is no load of class 1
     s.finish(hog)
     assert s.head_blocks_short(2) == 0  # room for it now
+
+
+# ---- capacity policies (TensorRT-LLM's batch_scheduler_policy) -------------------------------------------------
+
+
+def no_evict(blocks: int, bs: int = 4, **kw) -> Scheduler:
+    return Scheduler(
+        pool(blocks=blocks, bs=bs), max_batch_size=8, max_num_tokens=64, policy="guaranteed_no_evict", **kw
+    )
+
+
+def mreq(rid: str, n_prompt: int, max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
+    return preq(rid, n_prompt, priority, arrival, max_tokens=max_tokens)
+
+
+def run_to_the_end(s: Scheduler, steps: int) -> list:
+    """Schedule `steps` iterations (computed blocks cached, as the engine does); requests that reach prompt +
+    max_tokens finish. Returns every preemption."""
+    preempted = []
+    for _ in range(steps):
+        out = s.schedule()
+        preempted += out.preempted
+        advance(out)
+        for r, _ in out.scheduled:
+            s.pool.cache.cache_computed(r)
+        for r in list(s.running):
+            if r.num_tokens - len(r.prompt_ids) >= r.params.max_tokens and r.num_computed == r.num_tokens - 1:
+                s.finish(r)
+    return preempted
+
+
+def test_an_unknown_capacity_policy_is_named():
+    with pytest.raises(ValueError, match="batch_scheduler_policy must be one of max_utilization, guaranteed_no_evict"):
+        Scheduler(pool(blocks=4, bs=4), 8, 64, policy="greedy")
+
+
+def test_no_evict_admits_only_what_can_run_to_max_tokens_beside_the_running():
+    s = no_evict(blocks=6)
+    a, b = mreq("a", 8, max_tokens=8), mreq("b", 4, max_tokens=8)  # a may reach 16 tokens: 4 blocks
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["a"] and out.admission_blocked  # b needs 3 of the 2 left
+    assert len(a.block_table) == 2 and s.reserved_blocks() == 2  # holds its prompt, promised the rest
+    assert s.head_blocks_short(0) == 1
+    # max_utilization admits both at once (b's prompt fits) and pays for it with a preemption later
+    m = Scheduler(pool(blocks=6, bs=4), 8, 64)
+    a2, b2 = mreq("a", 8, max_tokens=8), mreq("b", 4, max_tokens=8)
+    m.add(a2)
+    m.add(b2)
+    assert len(m.schedule().scheduled) == 2 and m.reserved_blocks() == 0
+
+
+def test_no_evict_never_preempts_where_max_utilization_thrashes():
+    def workload(s: Scheduler) -> list[Request]:
+        reqs = [mreq(f"r{i}", 6, max_tokens=14, arrival=float(i)) for i in range(5)]  # 20 tokens: 5 blocks each
+        for r in reqs:
+            s.add(r)
+        return reqs
+
+    greedy = Scheduler(pool(blocks=12, bs=4), 8, 64)
+    reqs = workload(greedy)
+    assert run_to_the_end(greedy, 200) and all(r.status == Status.FINISHED for r in reqs)
+    careful = no_evict(blocks=12)
+    reqs = workload(careful)
+    assert run_to_the_end(careful, 200) == [] and all(r.status == Status.FINISHED for r in reqs)
+    assert careful.num_preemptions == 0
+
+
+def test_no_evict_counts_a_reused_prefix_as_held():
+    s = no_evict(blocks=5)
+    first = mreq("first", 8, max_tokens=4)  # 12 tokens: 3 blocks
+    s.add(first)
+    run_to_the_end(s, 20)
+    assert first.status == Status.FINISHED and s.pool.num_evictable >= 2  # its prompt blocks stay cached
+    again = mreq("first", 9, max_tokens=11)  # the same 8 tokens and one more, 20 tokens: 5 blocks, 2 of them cached
+    s.add(again)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["first"] and again.reused_blocks == 2
+    assert s.reserved_blocks() == 5 - len(again.block_table)
+
+
+def test_a_more_important_request_still_preempts_under_no_evict():
+    s = no_evict(blocks=6)
+    batch = mreq("batch", 8, max_tokens=12, priority=2)  # 5 blocks promised
+    s.add(batch)
+    advance(s.schedule())
+    chat = mreq("chat", 4, max_tokens=4, priority=0, arrival=1.0)  # 2 blocks: only 1 left unpromised
+    s.add(chat)
+    out = s.schedule()
+    assert out.preempted == [batch] and [r.request_id for r, _ in out.scheduled] == ["chat"]

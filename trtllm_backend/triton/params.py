@@ -316,6 +316,18 @@ PARAMS: tuple[Param, ...] = (
         None,
     ),
     Param(
+        "batch_scheduler_policy",
+        "str",
+        "max_utilization",
+        "engine.batch_scheduler_policy",
+        "Who gets KV when the pool is short (TensorRT-LLM's parameter): max_utilization admits a request when its "
+        "next chunk fits and preempts (recompute) the least important running request when running requests "
+        "outgrow the pool; guaranteed_no_evict admits a request only when it and every running request can reach "
+        "prompt + max_tokens, so a started request is never preempted for KV (promised blocks count as used in "
+        "morphing's KV pressure).",
+        one_of("max_utilization", "guaranteed_no_evict"),
+    ),
+    Param(
         "morph_priority_cutoff",
         "int",
         str(PRIORITY_MAX),

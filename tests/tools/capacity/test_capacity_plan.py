@@ -93,6 +93,13 @@ def test_policy_variants_become_server_parameters(tmp_path):
         Plan([KINDS["conv"]], [256], ["balanced+up_quiet_s"], [0], tmp_path)
 
 
+def test_sched_variant_sets_the_capacity_policy():
+    assert policy_params("full+sched=no_evict") == ("full", {"batch_scheduler_policy": "guaranteed_no_evict"})
+    assert policy_params("balanced+sched=max_util")[1] == {"batch_scheduler_policy": "max_utilization"}
+    with pytest.raises(ValueError, match="sched takes no_evict or max_util, got 'fifo'"):
+        policy_params("full+sched=fifo")
+
+
 def test_warm_bracket_costs_a_seed_two_probes_near_the_previous_capacity(tmp_path, capsys):
     # seed 0 as stored above (full x0.3, balanced x0.45); seed 1 passes 5% above: x0.3 / x0.45 pass, one step up fails
     stored_search(tmp_path)
