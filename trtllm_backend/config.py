@@ -57,6 +57,10 @@ class EngineConfig:
     # everything before them, and a request reuses the longest cached prefix instead of prefilling it. On by
     # default (as vLLM and TensorRT-LLM users expect): KV is reused only under the weights that computed it.
     enable_prefix_caching: bool = True
+    # Reuse cached KV whatever units were bound quantized when it was computed. Off: a swap starts the cache anew
+    # (exact: a prefix is reused only under the weights that computed it). On: a swap keeps the cache, the
+    # approximation morphing already makes for the KV of the requests running through a swap.
+    kv_cache_reuse_across_morphs: bool = False
     # Who gets KV when the pool is short (TensorRT-LLM's batch_scheduler_policy; trtllm_backend/scheduler.py):
     # max_utilization admits on the next chunk and preempts (recompute) when running requests outgrow the pool;
     # guaranteed_no_evict admits only what can run to prompt + max_tokens beside everything running.
@@ -122,8 +126,9 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.max_tokens_in_paged_kv_cache < self.block_size:
             raise ValueError("max_tokens_in_paged_kv_cache must hold at least one block")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "kv_cache_reuse_across_morphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.batch_scheduler_policy not in CAPACITY_POLICIES:
             raise ValueError(
                 f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, got {self.batch_scheduler_policy!r}"

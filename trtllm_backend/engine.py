@@ -66,7 +66,13 @@ class LLMEngine:
         self._eos_index = torch.tensor(self._eos_ids, dtype=torch.long)
         self.model = LlamaModel(self.store, self.max_model_len)
         self.pool = KVPool(
-            mc, config.block_size, config.kv_torch_dtype, config.device, config.huge_pages, config.enable_prefix_caching
+            mc,
+            config.block_size,
+            config.kv_torch_dtype,
+            config.device,
+            config.huge_pages,
+            config.enable_prefix_caching,
+            config.kv_cache_reuse_across_morphs,
         )
         if config.huge_pages and config.device == "cpu" and (why := huge_pages.unavailable_reason()):
             log.warning(

@@ -52,9 +52,10 @@ class KVPool:
         device: str = "cpu",
         huge_pages: bool = True,
         prefix_caching: bool = True,
+        reuse_across_weights: bool = False,
     ):
         self.config = config
-        self.cache = PrefixCache(block_size, prefix_caching)
+        self.cache = PrefixCache(block_size, prefix_caching, reuse_across_weights)
         self.block_size = block_size
         self.dtype = dtype
         self.device = device

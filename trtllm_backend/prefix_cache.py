@@ -52,9 +52,12 @@ class PrefixCacheStats:
 class PrefixCache:
     """Names, reference counts and the LRU of unreferenced cached blocks. Engine thread only."""
 
-    def __init__(self, block_size: int, enabled: bool = True):
+    def __init__(self, block_size: int, enabled: bool = True, across_weights: bool = False):
         self.block_size = block_size
         self.enabled = enabled
+        # Reuse KV computed under other bindings (kv_cache_reuse_across_morphs): a swap then keeps the cache, as it
+        # keeps the KV of the requests running through it.
+        self.across_weights = across_weights
         self.weights_key: tuple = ()  # the units bound quantized (set_weights)
         self.weights_version = 0  # bumped at each change of weights_key
         self.refs: dict[int, int] = {}  # held block -> block tables holding it
@@ -147,8 +150,9 @@ class PrefixCache:
 
     # ---- the request's side --------------------------------------------------------------------------
     def set_weights(self, key: tuple) -> None:
-        """The units bound quantized now (the engine calls it every iteration; a change names new blocks anew)."""
-        if key != self.weights_key:
+        """The units bound quantized now (the engine calls it every iteration; a change names new blocks anew,
+        unless KV is reused across weights)."""
+        if key != self.weights_key and not self.across_weights:
             self.weights_key = key
             self.weights_version += 1
 

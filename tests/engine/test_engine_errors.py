@@ -131,6 +131,8 @@ def test_bad_config_values_are_named():
         EngineConfig(fragment_dir="x", lm_head_activations="int4")
     with pytest.raises(ValueError, match="batch_scheduler_policy must be one of max_utilization, guaranteed_no_evict"):
         EngineConfig(fragment_dir="x", batch_scheduler_policy="static_batch")
+    with pytest.raises(ValueError, match="kv_cache_reuse_across_morphs must be true or false"):
+        EngineConfig(fragment_dir="x", kv_cache_reuse_across_morphs="yes")
     for dtype, weight_dtype in (("bfloat16", "float16"), ("float16", "float32")):
         with pytest.raises(ValueError, match=f"weight_dtype={weight_dtype} with dtype={dtype}"):
             EngineConfig(fragment_dir="x", dtype=dtype, weight_dtype=weight_dtype)

@@ -118,6 +118,25 @@ def test_no_reuse_across_weights_and_none_when_disabled():
     assert c.reused_blocks == 0 and off.num_evictable == 0 and not off.cache.block_of
 
 
+def test_reuse_across_morphs_keeps_the_cache_through_a_swap():
+    p = pool(blocks=16, bs=BS)
+    p.cache.across_weights = True  # kv_cache_reuse_across_morphs
+    s = Scheduler(p, max_batch_size=8, max_num_tokens=4)  # one block per iteration
+    a = req("a", range(9))
+    s.add(a)
+    advance(s.schedule())
+    p.cache.cache_computed(a)
+    p.cache.set_weights((3, 5))  # a swap between two chunks: a keeps caching, and its blocks stay findable
+    while a.num_computed < len(a.prompt_ids):
+        advance(s.schedule())
+        p.cache.cache_computed(a)
+    assert len(a.block_names) == 2 and p.cache.weights_version == 0
+    b = req("b", range(9))
+    s.add(b)
+    s.schedule()
+    assert b.reused_blocks == 2 and b.missed_blocks == 0
+
+
 def test_a_request_stops_caching_once_the_weights_change_under_it():
     p = pool(blocks=16, bs=BS)
     s = Scheduler(p, max_batch_size=8, max_num_tokens=4)  # one block per iteration

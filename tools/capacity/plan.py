@@ -34,6 +34,7 @@ BASE_PARAMS = {**DEFAULT_PARAMS, "max_queue_size": "1024"}
 VARIANT_PARAMS = {
     "lm_head": ("lm_head_precision", None),
     "prefix": ("enable_kv_cache_reuse", {"on": "true", "off": "false"}),
+    "xreuse": ("kv_cache_reuse_across_morphs", {"on": "true", "off": "false"}),
     "sched": ("batch_scheduler_policy", {"no_evict": "guaranteed_no_evict", "max_util": "max_utilization"}),
 }
 # Parameters under which a server starts with more KV than the nominal pool (the INT8 head's freed bytes, or a
@@ -75,7 +76,8 @@ def policy_params(policy: str) -> tuple[str, dict[str, str]]:
     sets the head's precision (VARIANT_PARAMS): `full+lm_head=full` is every weight at full precision, where
     `full` binds the quality-neutral INT8 head like every policy by default. `+prefix=off` turns prefix caching
     off (`enable_kv_cache_reuse=false`): capacity with and without reuse, at the same memory. `+sched=no_evict`
-    runs TensorRT-LLM's guaranteed_no_evict capacity policy (`batch_scheduler_policy`) instead of max_utilization."""
+    runs TensorRT-LLM's guaranteed_no_evict capacity policy (`batch_scheduler_policy`) instead of max_utilization;
+    `+xreuse=on` keeps the prefix cache across morph swaps (`kv_cache_reuse_across_morphs`)."""
     base, *overrides = policy.split("+")
     params = {}
     for o in overrides:

@@ -316,6 +316,16 @@ PARAMS: tuple[Param, ...] = (
         None,
     ),
     Param(
+        "kv_cache_reuse_across_morphs",
+        "bool",
+        "false",
+        "engine.kv_cache_reuse_across_morphs",
+        "Reuse cached prefixes whatever precision the layers had when their KV was computed. Off (exact): a morph "
+        "swap starts the prefix cache anew, since KV is reused only under the weights that computed it. On: a swap "
+        "keeps the cache, the same approximation morphing makes for the KV of requests running through a swap.",
+        None,
+    ),
+    Param(
         "batch_scheduler_policy",
         "str",
         "max_utilization",

@@ -98,6 +98,7 @@ def test_sched_variant_sets_the_capacity_policy():
     assert policy_params("balanced+sched=max_util")[1] == {"batch_scheduler_policy": "max_utilization"}
     with pytest.raises(ValueError, match="sched takes no_evict or max_util, got 'fifo'"):
         policy_params("full+sched=fifo")
+    assert policy_params("balanced+xreuse=on") == ("balanced", {"kv_cache_reuse_across_morphs": "true"})
 
 
 def test_warm_bracket_costs_a_seed_two_probes_near_the_previous_capacity(tmp_path, capsys):
