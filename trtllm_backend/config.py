@@ -11,7 +11,7 @@ import torch
 from .controller import parse_forced
 from .precision import LM_HEAD_PRECISIONS
 from .priority import PRIORITY_MAX, PRIORITY_MIN, is_priority
-from .scheduler import CAPACITY_POLICIES
+from .scheduler import check_capacity_policy
 
 
 def _positive(name: str, value) -> None:
@@ -129,10 +129,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "kv_cache_reuse_across_morphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.batch_scheduler_policy not in CAPACITY_POLICIES:
-            raise ValueError(
-                f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, got {self.batch_scheduler_policy!r}"
-            )
+        check_capacity_policy(self.batch_scheduler_policy)
         cutoff = self.morph_priority_cutoff
         if not is_priority(cutoff):
             raise ValueError(

@@ -49,10 +49,15 @@ GUARANTEED_NO_EVICT = "guaranteed_no_evict"
 CAPACITY_POLICIES = (MAX_UTILIZATION, GUARANTEED_NO_EVICT)
 
 
+def check_capacity_policy(policy: str) -> None:
+    """Raise ValueError naming the parameter unless `policy` is one of CAPACITY_POLICIES."""
+    if policy not in CAPACITY_POLICIES:
+        raise ValueError(f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, got {policy!r}")
+
+
 class Scheduler:
     def __init__(self, pool: KVPool, max_batch_size: int, max_num_tokens: int, policy: str = MAX_UTILIZATION):
-        if policy not in CAPACITY_POLICIES:
-            raise ValueError(f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, got {policy!r}")
+        check_capacity_policy(policy)
         self.pool = pool
         self.guaranteed = policy == GUARANTEED_NO_EVICT
         self.max_batch_size = max_batch_size
@@ -122,8 +127,9 @@ class Scheduler:
 
     def head_blocks_short(self, priority: int) -> int:
         """KV blocks the head of the queue (as `head_within`) lacks to be admitted with its whole prompt: the blocks
-        its uncomputed tokens need (under GUARANTEED_NO_EVICT: all it may grow to) beyond what the pool can hand out now
-        (cached blocks nobody holds count as free, blocks promised to running requests do not); 0 if none waits. What a swap down must pay for to admit it (controller.Controller.decide)."""
+        its uncomputed tokens need (under GUARANTEED_NO_EVICT: all it may grow to) beyond what the pool can hand
+        out now (cached blocks nobody holds count as free, blocks promised to running requests do not); 0 if none
+        waits. What a swap down must pay for to admit it (controller.Controller.decide)."""
         head = self.head_within(priority)
         if head is None:
             return 0
