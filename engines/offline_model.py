@@ -103,6 +103,33 @@ class OfflineModel:
         return float(loss), ids[:, 1:].numel()
 
     @torch.inference_mode()
+    def suffix_nll(self, ids: torch.Tensor, prefix_len: int, prefix_layers, suffix_layers) -> tuple[float, int]:
+        """Summed next-token NLL of the tokens after `prefix_len` in ids [B, L] (and their count) when the prefix's
+        KV was written with `prefix_layers` INT4 and the rest runs with `suffix_layers` INT4, reading that KV: what
+        a prefix-cache hit across a morph swap serves. Equal lists give the exact two-chunk prefill."""
+        B, L = ids.shape
+        if not 0 < prefix_len < L - 1:
+            raise ValueError(f"prefix_len {prefix_len}: need 0 < prefix_len < {L - 1} (the window's length - 1)")
+        per = -(-L // BLOCK)
+        if self.pool.num_blocks < B * per:
+            self.pool = KVPool(self.config, BLOCK, self.kv_dtype)
+            self.pool.add_segment(B * per)
+        tables = [list(range(b * per, (b + 1) * per)) for b in range(B)]
+        h = None
+        for layers, lo, hi in ((prefix_layers, 0, prefix_len), (suffix_layers, prefix_len, L)):
+            self.set_quantized(layers)
+            n = hi - lo
+            plan = AttentionPlan(self.pool, [SeqSlice(b * n, n, hi, tables[b]) for b in range(B)])
+            pos = torch.arange(lo, hi).repeat(B)
+            h = self.model.head.embed(ids[:, lo:hi].flatten()).to(self.model.norm.dtype)
+            h = self.run_layers(h, 0, plan, (self.model.cos[pos], self.model.sin[pos]))
+        logits = self.logits(h).view(B, L - prefix_len, -1)
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, prefix_len + 1 :].reshape(-1), reduction="sum"
+        )
+        return float(loss), ids[:, prefix_len + 1 :].numel()
+
+    @torch.inference_mode()
     def token_nll(self, ids: torch.Tensor) -> torch.Tensor:
         """Next-token negative log-likelihood at every position of ids [B, L], as float64 [B, L-1]: the log-softmax
         of the fp32 logits taken in float64, as a peer's scorer (tools/llama_nll.cpp) takes it."""

@@ -4,6 +4,7 @@
     python -m tools.eval_quality --lm-head --fragment-dir DIR   # the INT8 embedding / LM head's cost (lm_head.json)
     python -m tools.eval_quality --int4-activations   # int8 vs fp32 activations in the INT4 decode kernel
     python -m tools.eval_quality --kv-cache-check     # the KV cache stored in fp16 vs fp32 (kv_cache.json)
+    python -m tools.eval_quality --kv-reuse-check --seq-len 512   # a prefix's KV read at another precision
     python -m tools.eval_quality --q4-1 --fragment-dir DIR   # the GGUF's Q4_1 blocks served as they are (q4_1.json)
 
 Held-out text: the last 10% of the corpus (calibration and profiling use the first 80%). Orders:
@@ -26,6 +27,7 @@ from pathlib import Path
 from engines.build_fragments import default_fragment_dir
 from engines.offline_model import OfflineModel, corpus_tokens
 from tools.replay.provenance import code_version
+from trtllm_backend.kernel_numerics import KernelNumerics
 from trtllm_backend.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +143,61 @@ def kv_cache_check(args, t0: float) -> int:
             flush=True,
         )
     path = _write_check(args, out, ids, t0, "kv_cache.json")
+    print(f"[quality] {out['seconds']} s; wrote {path}")
+    return 0
+
+
+REUSE_COUNTS = (0, 4, 8, 16, 30)  # INT4 layers (LIS order): full, the dynamic policies' usual range, all-INT4
+
+
+def kv_reuse_check(args, t0: float) -> int:
+    """What a prefix-cache hit across a morph swap costs (kv_cache_reuse_across_morphs): the perplexity of the
+    tokens after a prefix whose KV was written with one set of INT4 layers and is read by another, against the
+    same tokens with the prefix's KV written by the layers that read it (exact reuse). The prefix is the first
+    3/4 of each window, cut to whole 16-token blocks (the cache shares full blocks only); weights and KV stored
+    in fp16 as served."""
+    import torch
+
+    out: dict = {
+        "command": f"python -m tools.eval_quality --kv-reuse-check --windows {args.windows} --seq-len {args.seq_len}",
+        **code_version(),
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
+        "weight_dtype": "float16",
+        "kv_dtype": "float16",
+        "held_out": held_out_meta(args),
+        "runs": [],
+    }
+    model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=torch.float16, kv_dtype=torch.float16)
+    ids = held_out_ids(model.manifest, args)
+    prefix = (args.seq_len * 3 // 4) // 16 * 16
+    out["prefix_tokens"] = prefix
+    order = model.manifest.swap_order()
+    counts = sorted({min(k, model.config.num_layers) for k in REUSE_COUNTS})
+    for reader in counts:
+        ppl = {}
+        for writer in counts:
+            nll, n = 0.0, 0
+            for i in range(0, ids.shape[0], 4):
+                a, b = model.suffix_nll(ids[i : i + 4], prefix, order[:writer], order[:reader])
+                nll, n = nll + a, n + b
+            ppl[writer] = math.exp(nll / n)
+        for writer in counts:
+            row = {
+                "kv_written_int4_layers": writer,
+                "kv_read_int4_layers": reader,
+                "suffix_ppl": ppl[writer],
+                "vs_exact_pct": 100 * (ppl[writer] / ppl[reader] - 1),
+            }
+            out["runs"].append(row)
+        print(
+            f"[quality] read with {reader:2d} INT4 layers: exact {ppl[reader]:.4f}; KV written with "
+            + ", ".join(f"{w}: {100 * (ppl[w] / ppl[reader] - 1):+.3f}%" for w in counts if w != reader),
+            flush=True,
+        )
+    out["suffix_tokens"] = int(ids[:, prefix + 1 :].numel())
+    numerics = KernelNumerics.in_force()
+    out["kernel_numerics"] = numerics and {f: getattr(numerics, f) for f in numerics.__dataclass_fields__}
+    path = _write_check(args, out, ids, t0, "kv_reuse.json")
     print(f"[quality] {out['seconds']} s; wrote {path}")
     return 0
 
@@ -382,6 +439,11 @@ def main(argv=None) -> int:
         help="only the perplexity with the KV cache stored in fp32 and in fp16 (kv_cache.json)",
     )
     ap.add_argument(
+        "--kv-reuse-check",
+        action="store_true",
+        help="only the cost of reading a prefix's KV written at another precision (kv_reuse.json)",
+    )
+    ap.add_argument(
         "--storage-check",
         action="store_true",
         help="only the full-precision perplexity with fp32- and fp16-stored weights (storage.json)",
@@ -411,6 +473,8 @@ def main(argv=None) -> int:
         return storage_check(args, t0)
     if args.kv_cache_check:
         return kv_cache_check(args, t0)
+    if args.kv_reuse_check:
+        return kv_reuse_check(args, t0)
     if args.lm_head:
         return head_check(args, t0)
     model = OfflineModel(args.fragment_dir, max_len=args.seq_len)
