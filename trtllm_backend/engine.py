@@ -483,6 +483,7 @@ class LLMEngine:
             prefix_cache_miss_blocks=hits.miss_blocks,
             prefix_cache_reused_tokens=hits.reused_tokens,
             prefix_cache_evictions=hits.evictions,
+            prefix_cache_evicted_miss_blocks=hits.evicted_miss_blocks,
             waiting_by_priority=s.waiting_by_priority(),
             preemptions=s.num_preemptions,
             prompt_tokens=c.prompt_tokens,

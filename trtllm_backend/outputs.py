@@ -67,11 +67,13 @@ class EngineStats:
     kv_blocks_cached: int = 0  # cached prefix blocks no request holds (evicted least recently used first)
     kv_usage: float = 0.0  # used / total
     # Automatic prefix caching (prefix_cache.py), counted at each admission: full prompt blocks found cached and
-    # not found, prompt tokens not prefilled thanks to a hit, cached blocks evicted.
+    # not found, prompt tokens not prefilled thanks to a hit, cached blocks evicted, and missed blocks the cache
+    # had evicted (what a bigger pool would have served).
     prefix_cache_hit_blocks: int = 0
     prefix_cache_miss_blocks: int = 0
     prefix_cache_reused_tokens: int = 0
     prefix_cache_evictions: int = 0
+    prefix_cache_evicted_miss_blocks: int = 0
     waiting_by_priority: tuple[tuple[int, int], ...] = ()  # (priority, waiting requests), most important first
     preemptions: int = 0
     prompt_tokens: int = 0

@@ -21,6 +21,10 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+# How many names of evicted blocks are remembered (least recently evicted forgotten first): far more blocks than
+# morphing can add to a pool, at ~0.2 KB a name.
+EVICTED_NAMES = 4096
+
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:
     """The name of a full block: its parent's name and its token ids (sha256: no collision to fear, unlike a
@@ -42,6 +46,9 @@ class PrefixCacheStats:
     miss_blocks: int = 0  # full prompt blocks looked up and not found (they are computed)
     reused_tokens: int = 0  # prompt tokens not prefilled thanks to a hit
     evictions: int = 0
+    # Missed blocks the cache had held and evicted (or that follow such a block in the prompt): what a cache that
+    # kept them, a bigger pool, would have served. Most of the misses on multi-turn traffic whose pool is too small.
+    evicted_miss_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -64,18 +71,21 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}  # name -> cached block
         self.name_of: dict[int, bytes] = {}  # cached block -> name
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
+        self.evicted: OrderedDict[bytes, None] = OrderedDict()  # names of evicted blocks, most recent last
         self.stats = PrefixCacheStats()
 
     # ---- lookup (admission) ------------------------------------------------------------------------
-    def match(self, tokens: list[int]) -> tuple[list[int], list[bytes], int]:
-        """(blocks, their names, full blocks looked up): the cached blocks of the longest cached prefix of
-        `tokens`, now referenced by the caller. At most the blocks before the last token: it is computed for its
-        logits, and a reused block is never written. Counted by `count_lookup` once the request is admitted."""
+    def match(self, tokens: list[int]) -> tuple[list[int], list[bytes], int, int]:
+        """(blocks, their names, full blocks looked up, missed blocks the cache had evicted): the cached blocks of
+        the longest cached prefix of `tokens`, now referenced by the caller. At most the blocks before the last
+        token: it is computed for its logits, and a reused block is never written. Counted by `count_lookup` once
+        the request is admitted."""
         if not self.enabled:
-            return [], [], 0
+            return [], [], 0, 0
         bs, name = self.block_size, root_hash(self.weights_key)
         looked = (len(tokens) - 1) // bs
         blocks, names = [], []
+        i = 0
         for i in range(looked):
             name = block_hash(name, tokens[i * bs : (i + 1) * bs])
             b = self.block_of.get(name)
@@ -83,16 +93,26 @@ class PrefixCache:
                 break
             blocks.append(b)
             names.append(name)
+        evicted = 0
+        if len(blocks) < looked and name in self.evicted:
+            # The chain broke at an evicted block: count it and every later block still known (evicted or cached).
+            evicted = 1
+            for j in range(i + 1, looked):
+                name = block_hash(name, tokens[j * bs : (j + 1) * bs])
+                if name not in self.evicted and name not in self.block_of:
+                    break
+                evicted += 1
         for b in blocks:
             self.ref(b)
-        return blocks, names, looked
+        return blocks, names, looked, evicted
 
-    def count_lookup(self, reused: int, looked: int) -> None:
+    def count_lookup(self, reused: int, looked: int, evicted: int = 0) -> None:
         s = self.stats
         s.lookups += 1
         s.hit_blocks += reused
         s.miss_blocks += looked - reused
         s.reused_tokens += reused * self.block_size
+        s.evicted_miss_blocks += evicted
 
     # ---- references ------------------------------------------------------------------------------
     def ref(self, block: int) -> None:
@@ -120,20 +140,28 @@ class PrefixCache:
         cached = self.block_of.setdefault(name, block)
         if cached == block:
             self.name_of[block] = name
+            self.evicted.pop(name, None)
         return cached
 
     def evict(self) -> int:
         """Forget the least recently used unreferenced cached block; returns it (free for the pool)."""
         block, _ = self.evictable.popitem(last=False)
-        del self.block_of[self.name_of.pop(block)]
-        self.stats.evictions += 1
+        self._forget(block)
         return block
 
     def drop(self, block: int) -> None:
         """Forget an unreferenced cached block (its segment is going away)."""
         del self.evictable[block]
-        del self.block_of[self.name_of.pop(block)]
+        self._forget(block)
+
+    def _forget(self, block: int) -> None:
+        name = self.name_of.pop(block)
+        del self.block_of[name]
         self.stats.evictions += 1
+        self.evicted[name] = None
+        self.evicted.move_to_end(name)
+        if len(self.evicted) > EVICTED_NAMES:
+            self.evicted.popitem(last=False)
 
     def move_all(self, moved: dict[int, int]) -> None:
         """Blocks' K/V now live elsewhere (src -> dst, a segment being drained): their references, names and

@@ -102,16 +102,16 @@ class Scheduler:
         req.num_computed = 0
         req.block_names = []
 
-    def _reuse_cached_prefix(self, req: Request) -> int:
+    def _reuse_cached_prefix(self, req: Request) -> tuple[int, int]:
         """Start a request with nothing computed from the longest cached prefix of its tokens; returns the full
-        blocks looked up."""
+        blocks looked up and the missed ones the cache had evicted."""
         cache = self.pool.cache
-        blocks, names, looked = cache.match(req.token_ids)
+        blocks, names, looked, evicted = cache.match(req.token_ids)
         req.block_table = blocks
         req.block_names = names
         req.num_computed = len(blocks) * self.pool.block_size
         req.cache_version = cache.weights_version
-        return looked
+        return looked, evicted
 
     def waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
         """(priority, waiting requests) for each class waiting, most important first."""
@@ -196,7 +196,7 @@ class Scheduler:
             req = self.waiting[0]
             if more_important_than is not None and req.priority >= more_important_than:
                 break
-            looked = self._reuse_cached_prefix(req) if req.num_computed == 0 else 0
+            looked, evicted = self._reuse_cached_prefix(req) if req.num_computed == 0 else (0, 0)
             n = min(req.num_tokens - req.num_computed, budget)
             need = self._blocks_needed(req, n)
             blocks = self._room_for(req, need)
@@ -216,7 +216,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             hit = len(req.block_table)
-            self.pool.cache.count_lookup(hit, looked)
+            self.pool.cache.count_lookup(hit, looked, evicted)
             if req.timings.scheduled is None:
                 req.timings.scheduled = now
                 req.reused_blocks, req.missed_blocks = hit, looked - hit

@@ -44,6 +44,7 @@ EXPORTED = {
     "morphserve_prefix_cache_blocks_total": {"result": {"hit", "miss"}},
     "morphserve_prefix_cache_reused_tokens_total": {},
     "morphserve_prefix_cache_evictions_total": {},
+    "morphserve_prefix_cache_evicted_miss_blocks_total": {},
     "morphserve_prefix_cache_hit_rate": {},
     "morphserve_requests_waiting_by_priority": {"priority": PRIORITY_LABELS},
 }

@@ -83,6 +83,30 @@ def test_unreferenced_cached_blocks_stay_until_needed_then_go_least_recently_use
     assert block_violations(p, tables(s)) == []
 
 
+def test_misses_of_evicted_blocks_are_counted_as_what_a_bigger_pool_would_serve():
+    p = pool(blocks=6, bs=BS)
+    s = Scheduler(p, max_batch_size=8, max_num_tokens=64)
+    a = req("a", range(9))  # two full blocks cached once it finishes
+    run_prefill(s, a)
+    s.finish(a)
+    p.free(p.allocate(5))  # evicts the coldest cached block: the second
+    b = req("b", list(range(8)) + [70, 71])
+    run_prefill(s, b)
+    stats = p.cache.stats
+    assert (b.reused_blocks, b.missed_blocks) == (1, 1)
+    assert stats.evicted_miss_blocks == 1  # the second block had been cached: a bigger pool would have served it
+    s.finish(b)  # b recomputed the second block: cached again, no longer counted as evicted
+    assert len(p.cache.evicted) == 0
+    p.free(p.allocate(6))  # evicts every cached block, the whole chain
+    c = req("c", list(range(8)) + [80, 81, 82, 83, 84])
+    run_prefill(s, c)
+    assert stats.evicted_miss_blocks == 1 + 2
+    d = req("d", list(range(100, 109)))  # never seen: its misses are not the pool's size
+    run_prefill(s, d)
+    assert stats.evicted_miss_blocks == 3 and stats.miss_blocks == 2 + 1 + 3 + 2
+    assert block_violations(p, tables(s)) == []
+
+
 def test_a_blocked_admission_gives_its_reused_prefix_back():
     p = pool(blocks=4, bs=BS)
     s = Scheduler(p, max_batch_size=8, max_num_tokens=64)

@@ -75,6 +75,7 @@ def test_prefix_cache_counters_and_gauges(metrics):
             prefix_cache_miss_blocks=10,
             prefix_cache_reused_tokens=480,
             prefix_cache_evictions=2,
+            prefix_cache_evicted_miss_blocks=4,
         ),
         active=0,
     )
@@ -83,6 +84,7 @@ def test_prefix_cache_counters_and_gauges(metrics):
     assert get("morphserve_prefix_cache_blocks_total", result="miss") == 10
     assert get("morphserve_prefix_cache_reused_tokens_total") == 480
     assert get("morphserve_prefix_cache_evictions_total") == 2
+    assert get("morphserve_prefix_cache_evicted_miss_blocks_total") == 4
     assert get("morphserve_prefix_cache_hit_rate") == 0.75 and get("morphserve_kv_cache_blocks", type="cached") == 7
 
 

@@ -22,6 +22,7 @@ GAUGES = {
     "memory_budget": ("morphserve_memory_bytes", {"type": "budget"}),
     "memory_used": ("morphserve_memory_bytes", {"type": "used"}),
     "prefix_reused_tokens": ("morphserve_prefix_cache_reused_tokens_total", {}),
+    "prefix_evicted_misses": ("morphserve_prefix_cache_evicted_miss_blocks_total", {}),
 }
 
 _LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")

@@ -150,6 +150,13 @@ class TritonMetrics:
                 counter,
             )
         )
+        self.prefix_evicted_misses = _Counter(
+            self._single(
+                "morphserve_prefix_cache_evicted_miss_blocks_total",
+                "Full prompt blocks missed because the cache had evicted them: what a bigger KV pool would have served",
+                counter,
+            )
+        )
         self.prefix_hit_rate = _Gauge(
             self._single(
                 "morphserve_prefix_cache_hit_rate",
@@ -236,6 +243,7 @@ class TritonMetrics:
         self.prefix_lookups["miss"].advance(stats.prefix_cache_miss_blocks)
         self.prefix_reused_tokens.advance(stats.prefix_cache_reused_tokens)
         self.prefix_evictions.advance(stats.prefix_cache_evictions)
+        self.prefix_evicted_misses.advance(stats.prefix_cache_evicted_miss_blocks)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         waiting = dict(stats.waiting_by_priority)
         for priority in set(waiting) | set(self._classes):  # a class seen once is reported, at 0 when none waits
