@@ -57,10 +57,11 @@ class EngineConfig:
     # everything before them, and a request reuses the longest cached prefix instead of prefilling it. On by
     # default (as vLLM and TensorRT-LLM users expect): KV is reused only under the weights that computed it.
     enable_prefix_caching: bool = True
-    # Reuse cached KV whatever units were bound quantized when it was computed. Off: a swap starts the cache anew
-    # (exact: a prefix is reused only under the weights that computed it). On: a swap keeps the cache, the
-    # approximation morphing already makes for the KV of the requests running through a swap.
-    kv_cache_reuse_across_morphs: bool = False
+    # Reuse cached KV whatever units were bound quantized when it was computed. On: a swap keeps the cache, the
+    # approximation morphing already makes for the KV of the requests running through a swap (a static policy
+    # never swaps, so it is exact either way). Off: a swap starts the cache anew (a prefix is reused only under the
+    # weights that computed it), and every swap re-prefills the conversations it held.
+    kv_cache_reuse_across_morphs: bool = True
     # Who gets KV when the pool is short (TensorRT-LLM's batch_scheduler_policy; trtllm_backend/scheduler.py):
     # max_utilization admits on the next chunk and preempts (recompute) when running requests outgrow the pool;
     # guaranteed_no_evict admits only what can run to prompt + max_tokens beside everything running.

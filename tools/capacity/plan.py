@@ -77,7 +77,8 @@ def policy_params(policy: str) -> tuple[str, dict[str, str]]:
     `full` binds the quality-neutral INT8 head like every policy by default. `+prefix=off` turns prefix caching
     off (`enable_kv_cache_reuse=false`): capacity with and without reuse, at the same memory. `+sched=no_evict`
     runs TensorRT-LLM's guaranteed_no_evict capacity policy (`batch_scheduler_policy`) instead of max_utilization;
-    `+xreuse=on` keeps the prefix cache across morph swaps (`kv_cache_reuse_across_morphs`)."""
+    `+xreuse=off` restarts the prefix cache at each morph swap (`kv_cache_reuse_across_morphs=false`; `+xreuse=on`,
+    the default, keeps it)."""
     base, *overrides = policy.split("+")
     params = {}
     for o in overrides:
