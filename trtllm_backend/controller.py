@@ -8,6 +8,11 @@ more). A dynamic policy takes `down_tpot_s` from the deployment's TPOT SLO (`tpo
 it), and the QUEUEING_MODES take `down_ttft_s` from its TTFT SLO (`ttft_slo_s`, TTFT_PRESSURE_SHARE of it),
 unless they are set themselves.
 
+A fourth, off unless `down_cache_miss_s` is set: prefill spent on prompt blocks the prefix cache had held and
+evicted (timed at the engine's measured cost of a token). It is memory a bigger pool would turn into time: a swap
+down keeps more conversations cached between their turns. Its restore waits `up_cache_quiet_s` after the last
+such miss, since a shrink evicts what the next turn would reuse.
+
 Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
 and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the end of
 the last action, `hold`) before a restore; with the TPOT pressure on, a restore also waits for TPOT at or below
@@ -61,6 +66,8 @@ class MorphPolicy:
     down_tpot_s: float = 0.0  # streams' recent TPOT above this with requests waiting is pressure (0: off)
     up_tpot_ratio: float = 0.7  # with down_tpot_s set, restore only while TPOT <= this fraction of it
     down_ttft_s: float = 0.0  # the head of the queue waiting longer than this, KV not short, is pressure (0: off)
+    down_cache_miss_s: float = 0.0  # prefill seconds on evicted prefix blocks that are pressure (0: off)
+    up_cache_quiet_s: float = 30.0  # with down_cache_miss_s set: seconds without such a miss before restoring
 
     TUNABLE = (
         "layers_per_action",
@@ -73,6 +80,8 @@ class MorphPolicy:
         "down_tpot_s",
         "up_tpot_ratio",
         "down_ttft_s",
+        "down_cache_miss_s",
+        "up_cache_quiet_s",
     )
 
     @property
@@ -105,6 +114,10 @@ class MorphPolicy:
             bad("down_ttft_s", "must be >= 0 (0 turns the queueing pressure off)")
         if not 0.0 < self.up_tpot_ratio < 1.0:
             bad("up_tpot_ratio", "must be in (0, 1) (hysteresis)")
+        if self.down_cache_miss_s < 0:
+            bad("down_cache_miss_s", "must be >= 0 (0 turns the cache pressure off)")
+        if self.up_cache_quiet_s < 0:
+            bad("up_cache_quiet_s", "must be >= 0")
 
 
 def _modes(num_layers: int) -> dict[str, MorphPolicy]:
@@ -193,6 +206,7 @@ class Load:
     head_blocks_short: int = 0  # blocks the head of the queue lacks (0 if none waits)
     tpot_s: float = 0.0  # running streams' recent TPOT (request.streams_tpot; 0 with none decoding)
     batch: int = 0  # running requests: the decode batch a swap's speed is judged at
+    evicted_miss_s: float = 0.0  # prefill time of prompt blocks the prefix cache had evicted, since the last tick
 
 
 @dataclass(slots=True)
@@ -211,6 +225,7 @@ class Signals:
     usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
     tpot_s: float = 0.0  # running streams' recent TPOT (request.streams_tpot; 0 with none decoding)
     swap_speeds_up: bool = False  # the next unit's quantized form was measured faster at the current decode batch
+    evicted_miss_s: float = 0.0  # prefill time of evicted prefix blocks since the last decision (Load's, summed)
 
     @classmethod
     def of(
@@ -235,6 +250,7 @@ class Signals:
             usage_after_shrink=usage_after_shrink,
             tpot_s=load.tpot_s,
             swap_speeds_up=swap_speeds_up,
+            evicted_miss_s=load.evicted_miss_s,
         )
 
 
@@ -252,6 +268,7 @@ class Controller:
     pressure_streak: int = 0
     last_pressure: float = field(default=-math.inf)
     last_action: float = field(default=-math.inf)
+    last_cache_pressure: float = field(default=-math.inf)
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (parse_forced)
 
     def forced_due(self, iteration: int) -> bool:
@@ -270,9 +287,13 @@ class Controller:
             self.last_pressure = s.now
         else:
             self.pressure_streak = 0
+        cache = self.cache_pressed(s)
+        if cache:
+            self.last_cache_pressure = s.now
         # NOTE: a head that waited past down_ttft_s has been pressure for that long already: no streak on top
         # (at pool 2048, waiting two more iterations per action let the queue outgrow the swaps: 35% vs 88%).
-        persisted = self.pressure_streak >= p.down_persist or self.queueing(s)
+        # A cache miss is an event, already paid for: no streak either.
+        persisted = self.pressure_streak >= p.down_persist or self.queueing(s) or cache
         if why and persisted and s.int4_layers < p.max_int4_layers:
             # Enough layers to admit the head of the queue, at least the policy's step.
             need = math.ceil(s.head_blocks_short / s.blocks_per_layer) if s.blocks_per_layer else 0
@@ -286,6 +307,7 @@ class Controller:
             and s.int4_layers > 0
             and s.waiting == 0
             and quiet >= p.up_quiet_s
+            and (not p.down_cache_miss_s or s.now - self.last_cache_pressure >= p.up_cache_quiet_s)
             and s.usage_after_shrink <= p.up_kv_usage
             and (not p.down_tpot_s or s.tpot_s <= p.up_tpot_ratio * p.down_tpot_s)
         ):
@@ -305,6 +327,8 @@ class Controller:
         self.last_action = s.now
         if self.policy.dynamic and self.pressure(s):
             self.last_pressure = s.now
+        if self.policy.dynamic and self.cache_pressed(s):
+            self.last_cache_pressure = s.now
 
     def restore_called_off(self, now: float) -> None:
         """A restore gave way to returning pressure (morph.py): the next one waits for a new quiet spell from `now`."""
@@ -313,6 +337,10 @@ class Controller:
     def kv_short(self, s: Signals) -> bool:
         """Requests wait and the KV cache is what they wait for (admission blocked, or usage past the threshold)."""
         return bool(s.waiting and (s.admission_blocked or s.kv_usage >= self.policy.down_kv_usage))
+
+    def cache_pressed(self, s: Signals) -> bool:
+        """Prefill spent on prompt blocks the prefix cache had evicted reached down_cache_miss_s."""
+        return bool(self.policy.down_cache_miss_s and s.evicted_miss_s >= self.policy.down_cache_miss_s)
 
     def queueing(self, s: Signals) -> bool:
         """The head of the queue waited past down_ttft_s with the KV cache not short, and a swap is faster."""
@@ -339,6 +367,11 @@ class Controller:
             why.append(
                 f"TPOT {s.tpot_s * 1e3:.1f} ms above the SLO {p.down_tpot_s * 1e3:.1f} ms with {s.waiting} "
                 f"waiting (the next swap measured faster)"
+            )
+        if self.cache_pressed(s):
+            why.append(
+                f"{s.evicted_miss_s:.2f}s of prefill on prompt blocks the prefix cache had evicted (over "
+                f"{p.down_cache_miss_s:.2f}s): a bigger pool keeps them"
             )
         if self.queueing(s):
             why.append(

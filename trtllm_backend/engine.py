@@ -84,6 +84,7 @@ class LLMEngine:
         self.step_budget = StepBudget(config.max_num_tokens, config.prefill_chunk_tpot_share * config.tpot_slo_s)
         self._admission_blocked = False  # the last schedule left the head of the queue waiting for KV blocks
         self._seen_preemptions = 0
+        self._seen_evicted_misses = 0  # prefix-cache misses on evicted blocks at the last morph tick
         self.streams: dict[str, OutputStream] = {}
         self.requests: dict[str, Request] = {}
         self.on_logits: Callable[[str, torch.Tensor], None] | None = None  # test hook: each sampled row
@@ -307,6 +308,8 @@ class LLMEngine:
         head = s.head_within(cutoff)
         driving = s.preemptions_within(cutoff)
         preemptions, self._seen_preemptions = driving - self._seen_preemptions, driving
+        evicted = p.cache.stats.evicted_miss_blocks  # every class's: the cache is shared
+        evicted_miss, self._seen_evicted_misses = evicted - self._seen_evicted_misses, evicted
         reserved = s.reserved_blocks()  # promised to running requests (guaranteed_no_evict): as good as used
         load = Load(
             now=now,
@@ -319,6 +322,7 @@ class LLMEngine:
             head_blocks_short=s.head_blocks_short(cutoff),
             tpot_s=streams_tpot([r for r in s.running if r.priority <= cutoff]),
             batch=len(s.running),
+            evicted_miss_s=evicted_miss * p.block_size * (self.step_budget.per_token_s or 0.0),
         )
         m.on_iteration(load, self.counters.iterations, [r.block_table for r in s.running])
         p.cache.set_weights(

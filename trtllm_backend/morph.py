@@ -173,6 +173,7 @@ class MorphManager:
         if self.executor is None:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="morphserve-fragments")
         self._unseen_preemptions = 0
+        self._unseen_evicted_miss_s = 0.0
         # full / quantized decode time of each kind of unit by batch (the slowness pressures' evidence), measured here
         self.speedup: dict[str, dict[int, float]] = {}
         if self.policy.dynamic and self.policy.slowness_counts and self.quantizable:
@@ -338,6 +339,7 @@ class MorphManager:
         running requests' tables (rewritten in place when their blocks move out of a draining segment)."""
         signals = self.signals(load)  # before anything below changes the state they describe
         self._unseen_preemptions += signals.new_preemptions  # kept for the next decision if none is made now
+        self._unseen_evicted_miss_s += signals.evicted_miss_s
         changed = False
         if self.job and self.job.future.done():
             self._finish_job()
@@ -351,6 +353,7 @@ class MorphManager:
         idle = self.job is None and self.draining is None and not (self.pending_down or self.pending_up)
         if idle and not changed and self.quantizable:
             signals.new_preemptions, self._unseen_preemptions = self._unseen_preemptions, 0
+            signals.evicted_miss_s, self._unseen_evicted_miss_s = self._unseen_evicted_miss_s, 0.0
             action = self.controller.decide(signals, iteration)
             if action:
                 self._accept(action)

@@ -14,7 +14,17 @@ from trtllm_backend.controller import (
 
 
 def signals(
-    t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, tpot=0.0, faster=False
+    t,
+    waiting=0,
+    blocked=False,
+    usage=0.3,
+    int4=0,
+    after=0.2,
+    preempt=0,
+    head_wait=None,
+    tpot=0.0,
+    faster=False,
+    evicted_miss=0.0,
 ):
     head_wait = (1.0 if blocked else 0.0) if head_wait is None else head_wait
     return Signals(
@@ -30,6 +40,7 @@ def signals(
         usage_after_shrink=after,
         tpot_s=tpot,
         swap_speeds_up=faster,
+        evicted_miss_s=evicted_miss,
     )
 
 
@@ -301,3 +312,52 @@ def test_a_restore_called_off_restarts_the_quiet_spell():
     assert c.decide(signals(10.0 + c.policy.up_quiet_s - 0.05, **quiet), 0) is None
     action = c.decide(signals(10.0 + c.policy.up_quiet_s, **quiet), 1)
     assert action is not None and action.kind == "up"
+
+
+# ---- prefill on evicted prefix blocks as pressure (morph_down_cache_miss_s) ------------------------------------
+CACHE = {"down_cache_miss_s": 0.5, "up_cache_quiet_s": 10.0}
+MISSED = dict(evicted_miss=0.8)  # a returning turn re-prefilled 0.8 s of blocks the cache had evicted
+
+
+def test_prefill_on_evicted_blocks_swaps_down_at_once():
+    c = Controller(parse_policy("balanced", 30, CACHE))
+    int4, actions = run(c, [dict()] * 3 + [MISSED] + [dict()] * 3)
+    assert actions == [(3, "down", c.policy.layers_per_action)]  # an event: no streak to wait for
+    assert "prefix cache had evicted" in c.pressure(signals(0.0, **MISSED))[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, trace",
+    [
+        ({}, [MISSED] * 20),  # off by default
+        (CACHE, [dict(evicted_miss=0.4)] * 20),  # below the threshold
+    ],
+)
+def test_evicted_misses_are_not_pressure_when_off_or_small(overrides, trace):
+    assert run(Controller(parse_policy("balanced", 30, overrides)), trace) == (0, [])
+
+
+def test_restore_waits_for_the_cache_quiet_spell_not_the_burst_one():
+    c = Controller(parse_policy("balanced", 30, CACHE))
+    quiet = dict(usage=0.1, after=0.15)
+    int4, actions = run(c, [MISSED] + [quiet] * 400)  # 20 s
+    ups = [i for i, k, _ in actions if k == "up"]
+    assert int4 == 0 and ups
+    assert ups[0] * 0.05 >= CACHE["up_cache_quiet_s"] - 1e-9  # not after up_quiet_s (2 s)
+    assert ups[0] * 0.05 < CACHE["up_cache_quiet_s"] + 1.0
+
+
+def test_a_cache_miss_during_an_action_in_flight_restarts_the_cache_quiet_spell():
+    c = Controller(parse_policy("balanced", 30, CACHE))
+    c.hold(signals(5.0, int4=2, **MISSED))
+    assert c.decide(signals(5.0 + CACHE["up_cache_quiet_s"] - 0.1, usage=0.1, after=0.15, int4=2), 1) is None
+    a = c.decide(signals(5.0 + CACHE["up_cache_quiet_s"], usage=0.1, after=0.15, int4=2), 2)
+    assert a and a.kind == "up"
+
+
+def test_cache_thresholds_are_checked():
+    with pytest.raises(ValueError, match="morph_down_cache_miss_s"):
+        parse_policy("balanced", 30, {"down_cache_miss_s": -1})
+    with pytest.raises(ValueError, match="morph_up_cache_quiet_s"):
+        parse_policy("balanced", 30, {"up_cache_quiet_s": -1})
+    assert parse_policy("balanced", 30, ttft_slo_s=2.0, tpot_slo_s=0.35).down_cache_miss_s == 0.0

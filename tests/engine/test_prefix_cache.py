@@ -331,3 +331,41 @@ def test_a_restore_keeps_the_cached_prefixes_it_moves_and_counts_idle_blocks_as_
     prompt_blocks = (len(engine.tokenizer.encode(PROMPTS[5])) - 1) // 8  # all but the one of the last token
     assert generate(PROMPTS[5]) == first and pool.cache.stats.hit_blocks == prompt_blocks
     assert engine.check_invariants() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_pressure", [False, True])
+def test_a_returning_prefix_the_pool_evicted_swaps_down_only_when_the_cache_pressure_is_on(caplog, cache_pressure):
+    """morph_down_cache_miss_s: a conversation whose blocks the pool evicted comes back, its prefill on them is timed
+    at the measured cost of a token, and (with the pressure on) the controller swaps down to grow the pool."""
+    import logging
+
+    from tests.engine_fixtures import PROMPTS, make_engine
+
+    overrides = {"down_cache_miss_s": 1e-6} if cache_pressure else {}
+    engine = make_engine(
+        morph_policy="balanced", max_tokens_in_paged_kv_cache=256, tpot_slo_s=0.0, morph_overrides=overrides
+    )
+    seen = []
+    on_iteration = engine.morph.on_iteration
+    engine.morph.on_iteration = lambda load, *a: (seen.append(load), on_iteration(load, *a))[1]
+
+    def serve(prompt: str) -> None:
+        engine.add_request(prompt, SamplingParams(max_tokens=2), lambda o: None)
+        engine.run_until_idle()
+
+    conversation = PROMPTS[5] + " " + PROMPTS[1]
+    serve(conversation)
+    for i in range(4):  # other prompts, one at a time (no queue, no KV shortage), push its blocks out
+        serve(f"{i}. " + PROMPTS[1] + " " + PROMPTS[5])
+    stats = engine.pool.cache.stats
+    assert stats.evicted_miss_blocks == 0 and stats.evictions > 0 and engine.counters.swaps_down == 0
+    with caplog.at_level(logging.INFO, logger="morphserve.morph"):
+        serve(conversation)
+        engine.settle_morph()
+    looked = (len(engine.tokenizer.encode(conversation)) - 1) // engine.pool.block_size
+    assert looked >= 3 and stats.evicted_miss_blocks == looked  # every block of it had been cached, then evicted
+    assert any(load.evicted_miss_s > 0 for load in seen)  # timed at the engine's measured cost of a token
+    swapped = [r.message for r in caplog.records if "prefix cache had evicted" in r.message]
+    assert bool(swapped) == cache_pressure
+    assert (engine.counters.swaps_down > 0) == cache_pressure

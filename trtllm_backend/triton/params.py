@@ -395,6 +395,20 @@ PARAMS: tuple[Param, ...] = (
                 "for the other policies; 0: off).",
                 at_least(0.0),
             ),
+            (
+                "down_cache_miss_s",
+                "float",
+                "Prefill seconds (at the measured cost of a token) spent on prompt blocks the prefix cache had "
+                "evicted that count as pressure: a swap down grows the pool that keeps conversations cached "
+                "between their turns (empty: 0, off).",
+                at_least(0.0),
+            ),
+            (
+                "up_cache_quiet_s",
+                "float",
+                "With morph_down_cache_miss_s: seconds without such a miss before restoring (empty: 30).",
+                at_least(0.0),
+            ),
         )
     ),
     # Defaults for requests that omit a sampling input.
