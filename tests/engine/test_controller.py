@@ -13,19 +13,8 @@ from trtllm_backend.controller import (
 )
 
 
-def signals(
-    t,
-    waiting=0,
-    blocked=False,
-    usage=0.3,
-    int4=0,
-    after=0.2,
-    preempt=0,
-    head_wait=None,
-    tpot=0.0,
-    faster=False,
-    evicted_miss=0.0,
-):
+def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0, head_wait=None, **more):
+    """One iteration's Signals; `more`: tpot, faster (the next swap measured faster), miss (evicted-prefix prefill)."""
     head_wait = (1.0 if blocked else 0.0) if head_wait is None else head_wait
     return Signals(
         now=t,
@@ -38,9 +27,10 @@ def signals(
         blocks_per_layer=16,
         int4_layers=int4,
         usage_after_shrink=after,
-        tpot_s=tpot,
-        swap_speeds_up=faster,
-        evicted_miss_s=evicted_miss,
+        tpot_s=more.pop("tpot", 0.0),
+        swap_speeds_up=more.pop("faster", False),
+        evicted_miss_s=more.pop("miss", 0.0),
+        **more,  # anything else is a typo: Signals refuses it
     )
 
 
@@ -287,6 +277,7 @@ def test_signals_are_the_load_plus_the_managers_state():
         head_blocks_short=40,
         tpot_s=0.02,
         batch=9,
+        evicted_miss_s=0.3,
     )
     s = Signals.of(load, blocks_per_layer=16, int4_layers=2, usage_after_shrink=0.6, swap_speeds_up=True)
     assert s == Signals(
@@ -302,6 +293,7 @@ def test_signals_are_the_load_plus_the_managers_state():
         usage_after_shrink=0.6,
         tpot_s=0.02,
         swap_speeds_up=True,
+        evicted_miss_s=0.3,
     )
 
 
@@ -316,7 +308,7 @@ def test_a_restore_called_off_restarts_the_quiet_spell():
 
 # ---- prefill on evicted prefix blocks as pressure (morph_down_cache_miss_s) ------------------------------------
 CACHE = {"down_cache_miss_s": 0.5, "up_cache_quiet_s": 10.0}
-MISSED = dict(evicted_miss=0.8)  # a returning turn re-prefilled 0.8 s of blocks the cache had evicted
+MISSED = dict(miss=0.8)  # a returning turn re-prefilled 0.8 s of blocks the cache had evicted
 
 
 def test_prefill_on_evicted_blocks_swaps_down_at_once():
@@ -330,7 +322,7 @@ def test_prefill_on_evicted_blocks_swaps_down_at_once():
     "overrides, trace",
     [
         ({}, [MISSED] * 20),  # off by default
-        (CACHE, [dict(evicted_miss=0.4)] * 20),  # below the threshold
+        (CACHE, [dict(miss=0.4)] * 20),  # below the threshold
     ],
 )
 def test_evicted_misses_are_not_pressure_when_off_or_small(overrides, trace):
