@@ -50,10 +50,13 @@ def attainment(path: Path, title: str, results: dict) -> None:
     plt.close(fig)
 
 
-def regime_map(path: Path, analysis: dict, policies: list[str], pooled: dict | None = None) -> None:
+def regime_map(
+    path: Path, analysis: dict, policies: list[str], pooled: dict | None = None, equal_memory: set[str] = frozenset()
+) -> None:
     """Capacity ratio to full against pool size, one panel per traffic kind; `pooled` (same shape), where
-    given, is drawn hollow and dashed beside it (the reading pooled over several runs)."""
-    traffic = sorted({t for t, _ in analysis})
+    given, is drawn hollow and dashed beside it (the reading pooled over several runs). The kinds in
+    `equal_memory` (every policy held one budget) come first and say so; the others are marked as history."""
+    traffic = sorted({t for t, _ in analysis}, key=lambda t: (t not in equal_memory, t))
     fig, axes = plt.subplots(1, len(traffic), figsize=(6 * len(traffic), 4.2), squeeze=False)
     series = [(analysis, "", {"marker": "o"})]
     if pooled:
@@ -81,9 +84,13 @@ def regime_map(path: Path, analysis: dict, policies: list[str], pooled: dict | N
                 )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV pool at full precision (tokens)")
+        if t in equal_memory:
+            ax.set_xlabel("memory budget: the fp16 model + N KV tokens (every policy)")
+            ax.set_title(f"regime map: {t}, equal memory")
+        else:
+            ax.set_xlabel("KV pool at full precision (tokens)")
+            ax.set_title(f"regime map: {t} (unequal memory: history)")
         ax.set_ylabel("capacity / full's (95% CI)")
-        ax.set_title(f"regime map: {t}")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()

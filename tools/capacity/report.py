@@ -376,7 +376,8 @@ def write_report(out: Path, json_path: Path, quality_path: Path, command: str) -
         )
     pools = {pool for _, pool in result}
     if len(pools) > 1:
-        plots.regime_map(out / "regime_map.png", result, policies)
+        equal = {c["traffic"] for c in cells if c["memory_budget_bytes"]}
+        plots.regime_map(out / "regime_map.png", result, policies, equal_memory=equal)
         lines += ["## Regime map", "", "![regime map](regime_map.png)", ""]
     else:
         lines += ["## Regime map", "", f"Only pool {sorted(pools)} measured so far: no map yet.", ""]

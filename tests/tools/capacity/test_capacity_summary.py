@@ -71,3 +71,19 @@ def test_the_map_draws_lines_where_a_kind_has_them_and_every_point_of_a_kind_tha
     assert m[("conv", 1024)] == {"balanced": "b1024"}
     assert m[("code", 256)] == {"balanced": "c256"} and m[("code", 2048)] == {"performance": "c2048"}
     assert ("conv-thin0.0375", 256) not in m  # a thinned variant stays in its run's report
+
+
+def test_equal_memory_cells_come_first_and_carry_their_budget(tmp_path):
+    old = _slo(_run(tmp_path, "old", {0: 0.1}, {0: 0.3}, pool=256))
+    new = _run(tmp_path, "new", {0: 0.1}, {0: 0.2}, pool=512)
+    data = json.loads(new.read_text())
+    data["cells"][0]["memory_budget_bytes"] = 280_000_000
+    new.write_text(json.dumps(data))
+    out = summary.summarize([old, _slo(new)])
+    assert [(c["pool_tokens"], c["equal_memory"]) for c in out["cells"]] == [(512, True), (256, False)]
+    assert out["cells"][0]["runs"][0]["memory_budget_bytes"] == 280_000_000
+    assert "memory_budget_bytes" not in out["cells"][1]["runs"][0]
+    assert (
+        summary.main([str(old), str(_slo(new)), "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "m.png")])
+        == 0
+    )
