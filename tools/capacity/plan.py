@@ -1,11 +1,11 @@
 """The measurement plan: for each traffic kind and KV pool size, for each seed, one bisection per policy,
 stepped in turn (a probe of every policy at the same seed back to back, so the machine's load drift hits all
 alike). Servers are started only when a probe must run, one per policy, and kept for the (traffic, pool);
-between probes each is left to go idle (and a dynamic one to restore its layers)."""
+between probes each is left to go idle (and a dynamic one to restore its layers). Multi-turn traffic gets a fresh
+server for every probe, so no probe finds the previous one's prefixes in the cache."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import urllib.request
 from datetime import datetime, timezone
@@ -44,6 +44,41 @@ KV_ENLARGING = {"lm_head_precision": "int8", "memory_budget_bytes": None}
 
 def enlarges_kv(params: dict[str, str]) -> bool:
     return any(k in params and (v is None or params[k] == v) for k, v in KV_ENLARGING.items())
+
+
+class ProbeServers:
+    """The servers of one (traffic, pool): one per policy, started at its first probe and kept for the next ones
+    unless `fresh` (then stopped and started anew for every probe). `start(policy)` gives (a context manager whose
+    `__enter__` is the server handle, its block size); `ready(policy, handle, block_size)` checks a new server
+    (block_size given) or waits for a kept one to go idle (None)."""
+
+    def __init__(self, start, ready, fresh: bool = False):
+        self.start, self.ready, self.fresh = start, ready, fresh
+        self.open: dict[str, tuple[object, object]] = {}  # policy -> (context manager, handle)
+
+    def get(self, policy: str):
+        if policy in self.open and self.fresh:
+            self._stop(policy)
+        if policy in self.open:
+            handle = self.open[policy][1]
+            self.ready(policy, handle, None)
+            return handle
+        cm, block_size = self.start(policy)
+        handle = cm.__enter__()
+        self.open[policy] = (cm, handle)
+        self.ready(policy, handle, block_size)
+        return handle
+
+    def _stop(self, policy: str) -> None:
+        cm, _ = self.open.pop(policy)
+        cm.__exit__(None, None, None)
+
+    def __enter__(self) -> "ProbeServers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for policy in list(self.open):
+            self._stop(policy)
 
 
 def check_starting_kv(snap: dict[str, float], block_size: int, traffic: Traffic, pool: int, policy: str) -> int:
@@ -134,33 +169,28 @@ class Plan:
         for traffic in self.traffic:
             print(f"[capacity] traffic {traffic.describe()}", flush=True)
             for pool in self.pools:
-                with contextlib.ExitStack() as stack:
-                    servers: dict[str, object] = {}
-                    server_started: dict[str, dict] = {}
+                server_started: dict[str, dict] = {}
 
-                    def server(policy: str):
-                        if policy not in servers:
-                            base, morph = policy_params(policy)
-                            logs = REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}" / slug(policy)
-                            started = {
-                                "server_started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-                                **{f"server_{k}": v for k, v in provenance().items()},
-                            }  # the code it runs
-                            params = {**self.server_params(pool), **morph}
-                            servers[policy] = stack.enter_context(Server(base, params, logs))
-                            server_started[policy] = started
-                            check_starting_kv(
-                                starting_kv(servers[policy].metrics_url),
-                                int(params.get("block_size", 16)),
-                                traffic,
-                                pool,
-                                policy,
-                            )
-                        else:
-                            wait_idle(servers[policy].metrics_url, policy_params(policy)[0] in DYNAMIC)
-                        return servers[policy]
+                def start(policy: str):
+                    base, morph = policy_params(policy)
+                    logs = REPO_ROOT / "build" / "capacity" / traffic.name / f"pool{pool}" / slug(policy)
+                    server_started[policy] = {
+                        "server_started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                        **{f"server_{k}": v for k, v in provenance().items()},
+                    }  # the code it runs
+                    params = {**self.server_params(pool), **morph}
+                    return Server(base, params, logs), int(params.get("block_size", 16))
 
-                    self._run_pool(traffic, pool, server, prompts, server_started)
+                def ready(policy: str, handle, block_size: int | None) -> None:
+                    if block_size is None:  # kept from an earlier probe
+                        wait_idle(handle.metrics_url, policy_params(policy)[0] in DYNAMIC)
+                    else:
+                        check_starting_kv(starting_kv(handle.metrics_url), block_size, traffic, pool, policy)
+
+                # NOTE: multi-turn traffic replays the same conversations at every rate, so a server kept from the
+                # previous probe would serve their prefixes from its cache: each probe gets a fresh one.
+                with ProbeServers(start, ready, fresh=traffic.conversations is not None) as servers:
+                    self._run_pool(traffic, pool, servers.get, prompts, server_started)
 
     def _run_pool(self, traffic: Traffic, pool: int, server, prompts, server_started: dict | None = None) -> None:
         searched = [REFERENCE] if self.overload_only else self.policies

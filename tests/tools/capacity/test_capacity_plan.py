@@ -184,3 +184,41 @@ def test_a_small_pool_is_judged_by_the_kv_each_server_starts_with(tmp_path):
     assert check_starting_kv({"kv_blocks": 92}, 16, conv, 256, "full") == 1472
     with pytest.raises(ValueError, match=r"full\+lm_head=full at pool 256 starts with 256 KV tokens"):
         check_starting_kv({"kv_blocks": 16}, 16, conv, 256, "full+lm_head=full")
+
+
+class _Started:
+    """A stand-in server context: records its start and stop."""
+
+    def __init__(self, log: list, policy: str):
+        self.log, self.policy = log, policy
+
+    def __enter__(self):
+        self.log.append(("start", self.policy))
+        return f"handle-{self.policy}-{len(self.log)}"
+
+    def __exit__(self, *exc):
+        self.log.append(("stop", self.policy))
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_servers_are_kept_across_probes_unless_each_probe_needs_a_cold_cache(fresh):
+    from tools.capacity.plan import ProbeServers
+
+    log, checks = [], []
+    start = lambda policy: (_Started(log, policy), 16)  # noqa: E731
+    ready = lambda policy, handle, block_size: checks.append((policy, block_size))  # noqa: E731
+    with ProbeServers(start, ready, fresh=fresh) as servers:
+        first = servers.get("full")
+        second = servers.get("full")
+        servers.get("balanced")
+    if fresh:  # multi-turn traffic: a new server (and a new start check) for every probe
+        assert first != second
+        assert log == [("start", "full"), ("stop", "full"), ("start", "full"), ("start", "balanced")] + [
+            ("stop", "full"),
+            ("stop", "balanced"),
+        ]
+        assert checks == [("full", 16), ("full", 16), ("balanced", 16)]
+    else:  # kept: the second probe waits for the server to go idle instead
+        assert first == second
+        assert log == [("start", "full"), ("start", "balanced"), ("stop", "full"), ("stop", "balanced")]
+        assert checks == [("full", 16), ("full", None), ("balanced", 16)]
