@@ -180,15 +180,19 @@ def concurrency_levels(spec: str) -> list[int]:
 
 def _run_level(cmd: list[str], env: dict, level: int, profile_path: Path, out_dir: Path, timeout_s) -> dict:
     """One level's run and its profile export. perf_analyzer 2.51 has exited 0 with its measurement printed and
-    the export left empty (once in a CI run): such a level is run again, once."""
+    the export left empty (in CI runs): such a level is run again, once, after removing the empty export (it
+    refuses a path that exists)."""
     for attempt in (1, 2):
+        if attempt == 2:
+            profile_path.unlink(missing_ok=True)
         print("[perf_analyzer]", " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         (out_dir / f"perf_analyzer_c{level}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
+            out = proc.stdout + proc.stderr  # its reason comes first, then pages of usage
             raise RuntimeError(
-                f"perf_analyzer failed ({proc.returncode}) at concurrency {level}:\n"
-                f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+                f"perf_analyzer failed ({proc.returncode}) at concurrency {level}:\n{out[:1500]}"
+                + (f"\n...\n{out[-1500:]}" if len(out) > 3000 else out[1500:])
             )
         try:
             return json.loads(profile_path.read_text())
