@@ -70,7 +70,8 @@ profile: setup
 # Every committed capacity run, oldest first (the summary names the last one of a cell `latest`).
 CAPACITY_RUNS := $(addprefix results/replay/,capacity capacity_int8act capacity_fp16kv capacity_pool256_drainfix \
 	capacity_pool256_widetile capacity_pool256_seeds345 capacity_pool256_seeds67 capacity_pool256_tpot capacity_frontier \
-	capacity_tpot_default capacity_stallfree capacity_regime capacity_code capacity_giveway)
+	capacity_tpot_default capacity_stallfree capacity_regime capacity_code capacity_giveway \
+	capacity_em256_fixed capacity_em_regime capacity_reuse8192_closed capacity_reuse4096_closed)
 
 replay: setup
 	$(PY) -m tools.replay.compare --name default --no-progress
