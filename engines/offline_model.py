@@ -61,11 +61,15 @@ class OfflineModel:
         for i, slot in enumerate(self.model.slots):
             slot.bind(self.int4[i] if i in q else self.full[i], self.quantized if i in q else Precision.FULL)
 
+    def _hold(self, blocks: int) -> None:
+        """A pool of at least `blocks` blocks (a new one when the current is smaller)."""
+        if self.pool.num_blocks < blocks:
+            self.pool = KVPool(self.config, BLOCK, self.kv_dtype)
+            self.pool.add_segment(blocks)
+
     def _plan(self, batch: int, length: int) -> AttentionPlan:
         need = batch * -(-length // BLOCK)
-        if self.pool.num_blocks < need:
-            self.pool = KVPool(self.config, BLOCK, self.kv_dtype)
-            self.pool.add_segment(need)
+        self._hold(need)
         per = need // batch
         seqs = [SeqSlice(b * length, length, length, list(range(b * per, (b + 1) * per))) for b in range(batch)]
         return AttentionPlan(self.pool, seqs)
@@ -111,9 +115,7 @@ class OfflineModel:
         if not 0 < prefix_len < L - 1:
             raise ValueError(f"prefix_len {prefix_len}: need 0 < prefix_len < {L - 1} (the window's length - 1)")
         per = -(-L // BLOCK)
-        if self.pool.num_blocks < B * per:
-            self.pool = KVPool(self.config, BLOCK, self.kv_dtype)
-            self.pool.add_segment(B * per)
+        self._hold(B * per)
         tables = [list(range(b * per, (b + 1) * per)) for b in range(B)]
         h = None
         for layers, lo, hi in ((prefix_layers, 0, prefix_len), (suffix_layers, prefix_len, L)):
