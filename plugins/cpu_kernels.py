@@ -1,6 +1,8 @@
 """The project's C++ CPU kernels (plugins/csrc/): build them once, load them, say plainly when they are absent.
 
 - `morphserve::skinny_linear` (skinny_gemm.cpp): fp32 y = x @ W.T for decode batches (plugins/skinny_gemm.py).
+- `morphserve::bf16_linear` (bf16_linear.cpp): y = x @ W.T with bf16 weights and bf16 inputs, fp32 accumulation
+  (AVX512_BF16), for decode batches under weight_dtype=bfloat16 (plugins/skinny_gemm.py).
 - `morphserve::paged_decode_attention` and `paged_decode_attention_qkv` (paged_decode_attention.cpp): decode
   attention read in place from the KV pool's segments; the second also applies RoPE and writes the new K/V
   (plugins/paged_attention.py).
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [
     CSRC / "skinny_gemm.cpp",
+    CSRC / "bf16_linear.cpp",
     CSRC / "paged_decode_attention.cpp",
     CSRC / "int4_linear.cpp",
     CSRC / "layer_elementwise.cpp",

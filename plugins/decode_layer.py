@@ -3,7 +3,7 @@
 The per-op path makes ~9 torch.ops calls per layer and step, each with dispatcher overhead and, when it goes
 parallel, an OpenMP fork and join; the fused op runs all the step's layers in one OpenMP region with barriers
 between their phases, on the same inner loops, so its output is bitwise the per-op path's. It applies where every linear is
-dense (fp32 or fp16-stored weights) or INT4 on the C++ kernels, activations are fp32 and the batch is within
+dense (fp32, fp16- or bf16-stored weights) or INT4 on the C++ kernels, activations are fp32 and the batch is within
 the skinny kernels' rows (`skinny_gemm.MAX_ROWS`); elsewhere (INT8 layers, CUDA, no kernels, prefill and
 mixed steps) that layer runs op by op (trtllm_backend.layers.run_layers fuses the runs of layers between). `MORPHSERVE_FUSED_DECODE=0` turns it off (the per-op path, for A/B).
 """
@@ -26,7 +26,13 @@ def enabled() -> bool:
 
 def dense_args(weight: torch.Tensor) -> tuple[list[torch.Tensor], list[int]] | None:
     """A dense linear's part of the op's arguments, or None where the op cannot run it."""
-    if weight.is_cuda or weight.dtype not in (torch.float32, torch.float16) or not weight.is_contiguous():
+    if (
+        weight.is_cuda
+        or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or not weight.is_contiguous()
+    ):
+        return None
+    if weight.dtype == torch.bfloat16 and not skinny_gemm.bf16_kernel_available():
         return None
     return [weight, _EMPTY, _EMPTY], [DENSE, weight.shape[0], 0]
 

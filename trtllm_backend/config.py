@@ -27,6 +27,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: fp32 on CPU (measured fastest here), fp16 on CUDA
     # Storage of the full-precision weights (layers, embedding, LM head); auto: the dtype above. float16 with
     # float32 compute on the CPU halves the bytes a decode step reads (the C++ kernel widens them on load).
+    # bfloat16 with float32 compute: the same bytes, and the dense matmuls take bf16 inputs with fp32 sums
+    # (plugins/skinny_gemm.py), vLLM-CPU's numerics for them; norms, attention and the residual stay fp32.
     weight_dtype: str = "auto"
     num_threads: int | None = None  # default: all cores
     # Weights and KV segments on 2 MiB pages where the kernel offers transparent huge pages (madvise): fewer TLB
@@ -142,8 +144,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.weight_dtype not in ("auto", "float32", "float16"):
-            raise ValueError(f"weight_dtype must be auto, float32 or float16, got {self.weight_dtype!r}")
+        if self.weight_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"weight_dtype must be auto, float32, float16 or bfloat16, got {self.weight_dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.int4_prefill not in ("auto", "decode", "float32", "bfloat16"):
@@ -167,10 +169,10 @@ class EngineConfig:
             )
         parse_forced(self.force_morph, "force_morph")  # a typo fails here, not at the iteration it names
         w, c = self.weight_torch_dtype, self.torch_dtype
-        if w != c and not (w == torch.float16 and c == torch.float32):
+        if w != c and not (w in (torch.float16, torch.bfloat16) and c == torch.float32):
             raise ValueError(
                 f"weight_dtype={self.weight_dtype} with dtype={self.dtype}: weights are stored in the "
-                "compute dtype, or in float16 under float32 compute"
+                "compute dtype, or in float16 or bfloat16 under float32 compute"
             )
 
     @property

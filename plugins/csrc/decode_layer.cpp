@@ -22,6 +22,7 @@
 #include <optional>
 #include <vector>
 
+#include "bf16_tile.h"
 #include "cpu_tile.h"
 #include "int4_tile.h"
 #include "paged_attention_core.h"
@@ -44,6 +45,7 @@ constexpr const char* kOp = "decode_layers";
 struct Prep {
   std::vector<float> scaled, xsum, xs, xd;
   std::vector<int8_t> xq;
+  std::vector<uint16_t> xb;  // a bf16-stored dense linear's input rounded to bf16
 };
 
 // Rows up to which every thread does the row-wise phases itself (RowBuffers of its own, `own` in the body): the
@@ -66,6 +68,7 @@ struct RowBuffers {
     prep.xs.resize(z.B * z.max_k);
     prep.xq.resize(z.B * z.max_k);
     prep.xd.resize(z.B * z.max_k / int4::kQBlock + 1);
+    prep.xb.resize(z.B * z.max_k);
     xn = arena.data();
     h2 = xn + z.B * z.hidden;
     x2 = h2 + z.B * z.hidden;
@@ -77,19 +80,30 @@ struct RowBuffers {
   RowBuffers& operator=(const RowBuffers&) = delete;
 };
 
-// One of a layer's linears: dense (fp32 or fp16-stored weight [N, K]) or INT4 (int4_pack's blocks).
+// One of a layer's linears: dense (fp32, fp16- or bf16-stored weight [N, K]) or INT4 (int4_pack's blocks).
 struct Linear {
   int64_t kind = kDense, N = 0, K = 0;
   const float* wf = nullptr;
   const uint16_t* wh = nullptr;
+  const uint16_t* wb = nullptr;  // bf16 storage: bf16 inputs, fp32 sums (bf16_tile.h)
   int4::Packed p{};
   const float* pre_scale = nullptr;
 
-  int64_t units() const { return kind == kDense ? morphserve_cpu::num_blocks(N) : int4::num_tiles(p); }
+  int64_t units() const {
+    if (kind == kInt4) return int4::num_tiles(p);
+    return wb != nullptr ? morphserve_cpu::bf16::num_blocks(N) : morphserve_cpu::num_blocks(N);
+  }
+
+  // Whether the input is prepared row by row before the matmul (prepare_row).
+  bool prepares() const { return kind == kInt4 || wb != nullptr; }
 
   // Row r of this linear's input x [M, K], before the matmul: INT4 prepares it (per row, as prepare_input
-  // works row by row anyway).
+  // works row by row anyway), a bf16-stored weight rounds it to bf16.
   void prepare_row(const float* x, int64_t r, Prep& s) const {
+    if (wb != nullptr) {
+      morphserve_cpu::bf16::round_to_bf16(x + r * K, K, s.xb.data() + r * K);
+      return;
+    }
     if (kind != kInt4) return;
     const bool q8 = int4::int8_activations(K, p.G);
     int4::prepare_input(x + r * K, 1, K, p.G, pre_scale, s.scaled.data() + r * K, s.xsum.data() + r * p.groups,
@@ -103,6 +117,7 @@ struct Linear {
       const bool q8 = int4::int8_activations(K, p.G);
       int4::run_tiles(p, u0, u1, {s.xs.data(), s.xsum.data(), q8 ? s.xq.data() : nullptr, s.xd.data()}, M, y, N, buf);
     }
+    else if (wb != nullptr) morphserve_cpu::bf16::bf16_blocks(s.xb.data(), M, wb, K, y, N, u0, u1);
     else if (wh != nullptr) morphserve_cpu::dense_blocks(x, M, wh, K, y, N, u0, u1, buf);
     else morphserve_cpu::dense_blocks(x, M, wf, K, y, N, u0, u1, buf);
   }
@@ -116,11 +131,15 @@ Linear linear_of(at::TensorList w, int64_t kind, int64_t N, int64_t G, int64_t K
   l.K = K;
   if (kind == kDense) {
     const at::Tensor& t = w[0];
+    const auto dtype = t.scalar_type();
     TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.size(0) == N && t.size(1) == K &&
-                    (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
-                kOp, ": layer ", layer, " ", name, " weight must be a contiguous fp32 or fp16 [", N, ", ", K,
-                "] tensor, got ", t.scalar_type(), " ", t.sizes());
-    if (t.scalar_type() == at::kHalf) l.wh = reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+                    (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
+                kOp, ": layer ", layer, " ", name, " weight must be a contiguous fp32, fp16 or bf16 [", N, ", ", K,
+                "] tensor, got ", dtype, " ", t.sizes());
+    TORCH_CHECK(dtype != at::kBFloat16 || morphserve_cpu::cpu_has_avx512_bf16(), kOp, ": layer ", layer, " ", name,
+                ": a bf16 weight needs AVX512_BF16, which this CPU lacks");
+    if (dtype == at::kHalf) l.wh = reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+    else if (dtype == at::kBFloat16) l.wb = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
     else l.wf = t.data_ptr<float>();
     return l;
   }
@@ -197,11 +216,10 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
             linear_of(w.slice(8, 3), m[6], gu_n, m[8], hidden, B, layers[l], "gate_up"),
             linear_of(w.slice(11, 3), m[9], down_n, m[11], gu_n / 2, B, layers[l], "down"),
             at_layer(kv0, layers[l], kOp)};
-    for (const Linear* x : {&L.qkv, &L.o, &L.gate_up, &L.down})
-      if (x->kind == kInt4) {
-        max_k = std::max(max_k, x->K);
-        max_groups = std::max(max_groups, x->p.groups);
-      }
+    for (const Linear* x : {&L.qkv, &L.o, &L.gate_up, &L.down}) {
+      if (x->prepares()) max_k = std::max(max_k, x->K);
+      if (x->kind == kInt4) max_groups = std::max(max_groups, x->p.groups);
+    }
     max_gu = std::max(max_gu, gu_n);
     plan.push_back(std::move(L));
   }
@@ -266,7 +284,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList weights, at::Int
         attend_task(task, q, att, H, L.kv, pos, sc, w);
       }
       sync();
-      if (L.o.kind == kInt4) {
+      if (L.o.prepares()) {
         rows(a, b);
         for (int64_t r = a; r < b; ++r) L.o.prepare_row(att, r, rb.prep);
         row_sync();

@@ -137,3 +137,6 @@ def test_bad_config_values_are_named():
         with pytest.raises(ValueError, match=f"weight_dtype={weight_dtype} with dtype={dtype}"):
             EngineConfig(fragment_dir="x", dtype=dtype, weight_dtype=weight_dtype)
     assert EngineConfig(fragment_dir="x", weight_dtype="float16").weight_torch_dtype == torch.float16
+    assert EngineConfig(fragment_dir="x", weight_dtype="bfloat16").weight_torch_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="weight_dtype=bfloat16 with dtype=float16: weights are stored in the compute"):
+        EngineConfig(fragment_dir="x", dtype="float16", weight_dtype="bfloat16")

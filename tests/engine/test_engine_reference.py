@@ -92,6 +92,30 @@ def test_fp16_weight_storage_halves_the_weights_and_keeps_the_logits(engine):
     assert out.startswith(" Paris")
 
 
+def test_bf16_weight_storage_keeps_the_bytes_of_fp16_and_the_logits_close(engine):
+    # weight_dtype=bfloat16: the fragments rounded to bf16 at load, and every dense matmul rounds its input to bf16
+    # and sums in fp32 (vLLM-CPU's numerics for them); norms, attention and the residual stream stay fp32. bf16
+    # keeps 8 bits of mantissa against fp16's 11, so the logits move more than fp16 storage's but stay close.
+    bf = make_engine(weight_dtype="bfloat16")
+    assert bf.model.lm_head.dtype == torch.bfloat16 and bf.model.norm.dtype == torch.float32
+    assert bf.model.slots[0].weights.qkv.weight.dtype == torch.bfloat16
+    assert 0.49 < bf.model.weights_nbytes / engine.model.weights_nbytes < 0.51
+    ids = corpus_window(engine, 64)
+    ref, got = engine_logits(engine, ids), engine_logits(bf, ids)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    print(f"bf16 weights: max relative logit difference {rel:.2e}")
+    assert 0 < rel < 5e-2
+    prompt = engine.tokenizer.decode(ids[:30])
+    steps = []
+    bf.on_logits = lambda rid, row: steps.append(row.clone())
+    bf.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), lambda o: None)
+    bf.run_until_idle()  # prefill's last row, then decode steps (the bf16 kernel, fused where it applies)
+    bf.on_logits = None
+    assert len(steps) == 6 and all(torch.isfinite(r).any() for r in steps)
+    out = "".join(o.text for o in bf.generate("The capital of France is", SamplingParams(max_tokens=4)))
+    assert out.startswith(" Paris")
+
+
 def test_fp16_kv_cache_halves_each_block_and_keeps_prefill_and_decode_logits(engine):
     # kv_cache_dtype=float16: K/V rounded to fp16 when written to the pool, widened when read (compute in fp32).
     # Each block costs half the bytes; the logits stay close to the fp32 pool's, through prefill and through

@@ -1,5 +1,5 @@
 """The fused decode layer (plugins/decode_layer.py, csrc/decode_layer.cpp) against the per-op path it replaces:
-bitwise the same output and K/V writes for dense fp32, fp16-stored and INT4 layers, on 1 and 2 threads; a row's
+bitwise the same output and K/V writes for dense fp32, fp16- and bf16-stored and INT4 layers, on 1 and 2 threads; a row's
 result independent of its batch; bad input rejected before anything is written; fallbacks."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from tests.engine_fixtures import random_layer_tensors
 from tests.plugins.test_cpu_kernels import CFG, _decode_plan, _fused_inputs, _pool_with_sequences, needs_kernels, ns
 
 from plugins import decode_layer as fused
+from plugins import skinny_gemm
 from plugins.quant_matmul import Int4Linear, Int8Linear
 from trtllm_backend.layers import LayerSlot, LayerWeights, dense_layer
 
@@ -29,6 +30,10 @@ def _layer(kind: str, cfg=CFG) -> LayerWeights:
         return dense_layer(t, torch.float32)
     if kind == "fp16":
         return dense_layer(t, torch.float32, torch.float16)
+    if kind == "bf16":
+        if not skinny_gemm.bf16_kernel_available():
+            pytest.skip("this CPU lacks AVX512_BF16: bf16-stored weights run on torch, op by op")
+        return dense_layer(t, torch.float32, torch.bfloat16)
     g = torch.Generator().manual_seed(3)
     w = {k.removesuffix(".weight").split(".")[-1]: v for k, v in t.items()}
     if kind == "int8":
@@ -85,7 +90,7 @@ def _run(
 
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 2, 3])  # 1-4 rows: each thread does every row's row-wise work; 5: split
-@pytest.mark.parametrize("kind", ["fp32", "fp16", "int4"])
+@pytest.mark.parametrize("kind", ["fp32", "fp16", "bf16", "int4"])
 @pytest.mark.parametrize("lens", [[9], [4, 13], [4, 13, 22, 1, 30]])
 def test_fused_layer_is_bitwise_the_per_op_layer(kind, lens, threads, monkeypatch):
     weights = _layer(kind)
@@ -103,7 +108,7 @@ SMOLLM2_HEADS = dataclasses.replace(CFG, num_heads=9, num_kv_heads=3, head_dim=6
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kind", ["fp16", "int4"])
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "int4"])
 @pytest.mark.parametrize("lens", [[70], [20, 30, 25]])
 def test_fused_layer_at_smollm2_head_shape_is_bitwise_the_per_op_layer(kind, lens, threads, kv_dtype, monkeypatch):
     weights = _layer(kind, SMOLLM2_HEADS)
@@ -114,7 +119,7 @@ def test_fused_layer_at_smollm2_head_shape_is_bitwise_the_per_op_layer(kind, len
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["fp16", "int4"])
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "int4"])
 def test_a_rows_fused_result_does_not_depend_on_its_batch(kind, monkeypatch):
     weights, lens = _layer(kind), [3, 11, 26, 7]
     batched, _ = _run(weights, lens, True, monkeypatch, threads=2)
@@ -216,7 +221,7 @@ def test_fused_layer_rejects_bad_input_before_writing():
         call(tensors=tensors * 2, meta=meta * 2, layers=(1, 2))
     with pytest.raises(RuntimeError, match="unknown kind 7"):
         call(meta=[7] + meta[1:])
-    with pytest.raises(RuntimeError, match="layer 1 qkv weight must be a contiguous fp32 or fp16"):
+    with pytest.raises(RuntimeError, match="layer 1 qkv weight must be a contiguous fp32, fp16 or bf16"):
         call(tensors=tensors[:2] + [tensors[2].t()] + tensors[3:])
     with pytest.raises(RuntimeError, match="points outside the pool"):
         call(slot_of=torch.full_like(slot_of, 999))

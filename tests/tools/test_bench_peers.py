@@ -232,6 +232,7 @@ def test_perplexities_pick_each_servers_row(tmp_path):
                 ],
                 "vllm": {
                     "runs": [
+                        {"config": "ours, bf16 weights (weight_dtype=bfloat16: ...)", "perplexity": 37.2},
                         {"dtype_requested": "auto", "dtype": "bfloat16", "perplexity": 37.4},
                         {"dtype_requested": "float32", "dtype": "float32", "perplexity": 37.15},
                     ]
@@ -240,7 +241,14 @@ def test_perplexities_pick_each_servers_row(tmp_path):
         )
     )
     ppl = bench_peers.perplexities(path)
-    assert ppl == {"llama.cpp": 37.27, "ours-full": 37.15, "ours-int4": 40.33, "ours-q4_1": 37.25, "vllm": 37.4}
+    assert ppl == {
+        "llama.cpp": 37.27,
+        "ours-full": 37.15,
+        "ours-int4": 40.33,
+        "ours-q4_1": 37.25,
+        "ours-bf16": 37.2,
+        "vllm": 37.4,
+    }
     assert bench_peers.perplexities(path, "float32")["vllm"] == 37.15
 
 
