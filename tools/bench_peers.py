@@ -519,6 +519,12 @@ def render(result: dict) -> str:
         + "); ours-full runs the dequantized weights "
         f"(stored {result['weight_dtype']}, fp32 compute); "
         + (
+            "ours-bf16 runs them stored in bf16 (`weight_dtype=bfloat16`): every dense matmul on bf16 inputs with "
+            "fp32 sums, vLLM's numerics for them, with norms, attention and the residual stream in fp32; "
+            if "ours-bf16" in result["servers"]
+            else ""
+        )
+        + (
             "ours-q4_1 runs the GGUF's own Q4_1 blocks exactly (the same weights as llama.cpp) through the INT4 "
             "kernels: rows quantized to int8 per 32 inputs, prefill chunks per `int4_prefill` as ours-int4's; "
             if "ours-q4_1" in result["servers"]
