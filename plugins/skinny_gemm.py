@@ -20,24 +20,25 @@ from . import cpu_kernels
 MAX_ROWS = 48
 
 
-_bf16_kernel: list[bool] = []  # decided once: the answer cannot change within a process
+_bf16_cpu: list[bool] = []  # whether the CPU has AVX512_BF16, asked of the library once
 
 
 def bf16_kernel_available() -> bool:
     """Whether decode batches with bf16 weights take the C++ AVX512_BF16 kernel (else torch's bf16 linear)."""
-    if not _bf16_kernel:
-        ns = cpu_kernels.ops()
-        _bf16_kernel.append(ns is not None and bool(ns.bf16_linear_supported()))
-    return _bf16_kernel[0]
+    ns = cpu_kernels.ops()
+    if ns is None:
+        return False
+    if not _bf16_cpu:
+        _bf16_cpu.append(bool(ns.bf16_linear_supported()))
+    return _bf16_cpu[0]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T; the weight may be stored in fp16 under fp32 activations (widened here), or in
     bf16 (the inputs are then rounded to bf16 too, and the sums kept in fp32)."""
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
-        ns = cpu_kernels.ops()
-        if ns is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and not x.is_cuda and bf16_kernel_available():
-            return ns.bf16_linear(x, weight)
+        if x.dim() == 2 and x.shape[0] <= MAX_ROWS and not x.is_cuda and bf16_kernel_available():
+            return cpu_kernels.ops().bf16_linear(x, weight)
         return F.linear(x.to(torch.bfloat16), weight).to(torch.float32)
     if (
         x.dim() == 2

