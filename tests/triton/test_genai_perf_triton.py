@@ -33,7 +33,6 @@ def test_genai_perf_profiles_the_tensorrtllm_interface(triton_server, tmp_path):
     tokenizer = tmp_path / "tokenizer"  # genai-perf builds its prompts and counts tokens with it
     tokenizer.mkdir()
     shutil.copy(FRAGMENTS / "tokenizer.json", tokenizer / "tokenizer.json")
-    artifacts = tmp_path / "artifacts"
     # --output-tokens-mean-deterministic sends min_length = max_tokens, so every request streams exactly 16.
     cmd = [
         str(GENAI_PERF),
@@ -64,10 +63,17 @@ def test_genai_perf_profiles_the_tensorrtllm_interface(triton_server, tmp_path):
         "--output-tokens-mean-deterministic",
         "--random-seed",
         "0",
-        "--artifact-dir",
-        str(artifacts),
     ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    for attempt in (1, 2):
+        artifacts = tmp_path / f"artifacts{attempt}"
+        run = subprocess.run(
+            [*cmd, "--artifact-dir", str(artifacts)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env
+        )
+        # perf_analyzer 2.51 has exited 0 with its export left empty under load (tools/perf_analyzer.py retries
+        # such a level too); genai-perf then fails to parse it. That, and only that, is run again once.
+        exports = list(artifacts.glob("*/profile_export.json"))
+        if run.returncode == 0 or attempt == 2 or not exports or exports[0].stat().st_size:
+            break
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (run_dir,) = [p for p in artifacts.iterdir() if p.is_dir()]  # <model>-triton-tensorrtllm-concurrency2
     sent = json.loads((run_dir / "inputs.json").read_text())["data"]
