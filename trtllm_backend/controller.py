@@ -57,6 +57,9 @@ class MorphPolicy:
     # The precision a layer is bound to when it is not swapped down (Precision values): full, or q4_1 (policy q4_1).
     base_precision: str = "full"
     layers_per_action: int = 2
+    # Each swap down that follows the last action without a quiet spell between them takes this many times the
+    # step before it (1: every step is layers_per_action): a burst that outgrows one swap gets the next one bigger.
+    down_step_growth: float = 2.0
     max_int4_layers: int = 20
     down_kv_usage: float = 0.90  # KV usage that, with requests waiting, means the KV cache is short
     down_queue_wait_s: float = 0.5  # how long the head of the queue must wait for KV blocks to count as pressure
@@ -71,6 +74,7 @@ class MorphPolicy:
 
     TUNABLE = (
         "layers_per_action",
+        "down_step_growth",
         "max_int4_layers",
         "down_kv_usage",
         "down_queue_wait_s",
@@ -97,6 +101,8 @@ class MorphPolicy:
             bad("policy", f"int4:N needs 0 <= N <= {num_layers}, got {self.static_int4_layers}")
         if self.layers_per_action < 1:
             bad("layers_per_action", "must be >= 1")
+        if not (math.isfinite(self.down_step_growth) and self.down_step_growth >= 1.0):
+            bad("down_step_growth", "must be >= 1 (1: every swap down takes morph_layers_per_action)")
         if not 0 <= self.max_int4_layers <= num_layers:
             bad("max_int4_layers", f"must be in [0, {num_layers}]")
         for name in ("down_kv_usage", "up_kv_usage"):
@@ -126,6 +132,7 @@ def _modes(num_layers: int) -> dict[str, MorphPolicy]:
         "accuracy": MorphPolicy(
             "accuracy",
             layers_per_action=1,
+            down_step_growth=1.0,
             max_int4_layers=num_layers // 3,
             down_persist=4,
             down_queue_wait_s=1.0,
@@ -203,7 +210,7 @@ class Load:
     kv_reserved_blocks: int = 0  # blocks promised to running requests beyond those they hold
     admission_blocked: bool = False
     new_preemptions: int = 0
-    head_blocks_short: int = 0  # blocks the head of the queue lacks (0 if none waits)
+    queue_blocks_short: int = 0  # blocks the waiting queue lacks to be admitted (scheduler.queue_blocks_short)
     tpot_s: float = 0.0  # running streams' recent TPOT (request.streams_tpot; 0 with none decoding)
     batch: int = 0  # running requests: the decode batch a swap's speed is judged at
     evicted_miss_s: float = 0.0  # prefill time of prompt blocks the prefix cache had evicted, since the last tick
@@ -219,7 +226,7 @@ class Signals:
     kv_usage: float
     admission_blocked: bool
     new_preemptions: int
-    head_blocks_short: int  # blocks the head of the queue lacks (0 if none waits)
+    queue_blocks_short: int  # blocks the waiting queue lacks to be admitted (0 if none waits)
     blocks_per_layer: int  # KV blocks one swapped layer buys
     int4_layers: int  # units swapped down: INT4 layers, plus the INT8 LM head when swapped
     usage_after_shrink: float  # KV usage if the most recent swap's blocks were gone (1.0 if not possible)
@@ -244,7 +251,7 @@ class Signals:
             kv_usage=load.kv_usage,
             admission_blocked=load.admission_blocked,
             new_preemptions=load.new_preemptions,
-            head_blocks_short=load.head_blocks_short,
+            queue_blocks_short=load.queue_blocks_short,
             blocks_per_layer=blocks_per_layer,
             int4_layers=int4_layers,
             usage_after_shrink=usage_after_shrink,
@@ -269,6 +276,7 @@ class Controller:
     last_pressure: float = field(default=-math.inf)
     last_action: float = field(default=-math.inf)
     last_cache_pressure: float = field(default=-math.inf)
+    last_down_step: int = 0  # the step of the last swap down, while no quiet spell or restore has followed it
     forced: dict[int, Action] = field(default_factory=dict)  # engine iteration -> action (parse_forced)
 
     def forced_due(self, iteration: int) -> bool:
@@ -295,11 +303,16 @@ class Controller:
         # A cache miss is an event, already paid for: no streak either.
         persisted = self.pressure_streak >= p.down_persist or self.queueing(s) or cache
         if why and persisted and s.int4_layers < p.max_int4_layers:
-            # Enough layers to admit the head of the queue, at least the policy's step.
-            need = math.ceil(s.head_blocks_short / s.blocks_per_layer) if s.blocks_per_layer else 0
-            k = min(max(p.layers_per_action, need), p.max_int4_layers - s.int4_layers)
+            # Enough layers to admit the waiting queue, at least the step, which grows while swaps follow each
+            # other without a quiet spell.
+            need = math.ceil(s.queue_blocks_short / s.blocks_per_layer) if s.blocks_per_layer else 0
+            step = p.layers_per_action
+            if self.last_down_step and s.now - self.last_action < p.up_quiet_s:
+                step = max(step, math.ceil(self.last_down_step * p.down_step_growth))
+            k = min(max(step, need), p.max_int4_layers - s.int4_layers)
             self.pressure_streak = 0
             self.last_action = s.now
+            self.last_down_step = k
             return Action("down", k, "; ".join(why))
         quiet = s.now - max(self.last_pressure, self.last_action)
         if (
@@ -312,6 +325,7 @@ class Controller:
             and (not p.down_tpot_s or s.tpot_s <= p.up_tpot_ratio * p.down_tpot_s)
         ):
             self.last_action = s.now
+            self.last_down_step = 0
             return Action(
                 "up",
                 min(p.layers_per_action, s.int4_layers),

@@ -319,7 +319,7 @@ class LLMEngine:
             kv_reserved_blocks=reserved,
             admission_blocked=self._admission_blocked,
             new_preemptions=preemptions,
-            head_blocks_short=s.head_blocks_short(cutoff),
+            queue_blocks_short=s.queue_blocks_short(cutoff),
             tpot_s=streams_tpot([r for r in s.running if r.priority <= cutoff]),
             batch=len(s.running),
             evicted_miss_s=evicted_miss * p.block_size * (self.step_budget.per_token_s or 0.0),

@@ -125,18 +125,21 @@ class Scheduler:
         """The head of the queue, if it is of this priority or a more important one (else None)."""
         return self.waiting[0] if self.waiting and self.waiting[0].priority <= priority else None
 
-    def head_blocks_short(self, priority: int) -> int:
-        """KV blocks the head of the queue (as `head_within`) lacks to be admitted with its whole prompt: the blocks
-        its uncomputed tokens need (under GUARANTEED_NO_EVICT: all it may grow to) beyond what the pool can hand
-        out now (cached blocks nobody holds count as free, blocks promised to running requests do not); 0 if none
-        waits. What a swap down must pay for to admit it (controller.Controller.decide)."""
-        head = self.head_within(priority)
-        if head is None:
+    def queue_blocks_short(self, priority: int) -> int:
+        """KV blocks the waiting queue (as `waiting_within`, as many requests as free batch slots, the head first)
+        lacks to be admitted with their whole prompts: the blocks their uncomputed tokens need (under
+        GUARANTEED_NO_EVICT: all they may grow to) beyond what the pool can hand out now (cached blocks nobody holds
+        count as free, blocks promised to running requests do not); 0 if none waits. What a swap down must pay for
+        to admit them (controller.Controller.decide): sized for the head alone, a burst's queue was admitted two
+        layers at a time, each step waiting for pressure anew (docs/architecture.md, "Why the thresholds")."""
+        slots = max(0, self.max_batch_size - len(self.running))
+        queue = self.waiting[: min(self.waiting_within(priority), slots)]
+        if not queue:
             return 0
-        if self.guaranteed:
-            need = self._blocks_to_finish(head)
-        else:
-            need = self._blocks_needed(head, head.num_tokens - head.num_computed)
+        need = sum(
+            self._blocks_to_finish(r) if self.guaranteed else self._blocks_needed(r, r.num_tokens - r.num_computed)
+            for r in queue
+        )
         return max(0, need - (self.pool.num_allocatable - self.reserved_blocks()))
 
     def preemptions_within(self, priority: int) -> int:

@@ -23,7 +23,7 @@ def signals(t, waiting=0, blocked=False, usage=0.3, int4=0, after=0.2, preempt=0
         kv_usage=usage,
         admission_blocked=blocked,
         new_preemptions=preempt,
-        head_blocks_short=40 if blocked else 0,
+        queue_blocks_short=40 if blocked else 0,
         blocks_per_layer=16,
         int4_layers=int4,
         usage_after_shrink=after,
@@ -45,12 +45,39 @@ def run(controller, trace):
     return int4, actions
 
 
-def test_burst_swaps_within_a_few_iterations_enough_for_the_head():
+def test_burst_swaps_within_a_few_iterations_enough_for_the_queue():
     c = Controller(parse_policy("balanced", 30))
     int4, actions = run(c, [dict()] * 5 + [dict(waiting=8, blocked=True, usage=0.97)] * 4)
     first = actions[0]
     assert first[1] == "down" and first[0] <= 5 + 2
     assert first[2] == 3  # ceil(40 short blocks / 16 per layer) beats the policy's step of 2
+
+
+def test_swaps_that_follow_each_other_without_a_quiet_spell_grow():
+    c = Controller(parse_policy("balanced", 30))
+    short = dict(waiting=3, usage=0.95, head_wait=1.0)  # KV short, but the queue lacks no blocks: the step rules
+    int4, actions = run(c, [short] * 12)
+    assert [k for _, _, k in actions] == [2, 4, 8, 6]  # 2, 4, 8, then the 20-layer limit
+    assert int4 == c.policy.max_int4_layers
+
+
+def test_a_quiet_spell_or_a_restore_starts_the_step_over():
+    c = Controller(parse_policy("balanced", 30))
+    short = dict(waiting=3, usage=0.95, head_wait=1.0)
+    quiet = [dict(usage=0.6, after=0.95)] * 50  # 2.5 s: longer than up_quiet_s, no restore (usage too high)
+    _, actions = run(c, [short] * 5 + quiet + [short] * 3)
+    assert [k for _, _, k in actions] == [2, 4, 2]
+    c = Controller(parse_policy("balanced", 30))
+    calm = [dict(usage=0.1, after=0.15)] * 45  # restores after 2 s, then pressure at once
+    _, actions = run(c, [short] * 5 + calm + [short] * 3)
+    assert [(kind, k) for _, kind, k in actions] == [("down", 2), ("down", 4), ("up", 2), ("down", 2)]
+
+
+def test_a_growth_of_one_keeps_every_step_the_same():
+    c = Controller(parse_policy("balanced", 30, {"down_step_growth": 1}))
+    _, actions = run(c, [dict(waiting=3, usage=0.95, head_wait=1.0)] * 12)
+    assert {k for _, _, k in actions} == {2}
+    assert parse_policy("accuracy", 30).down_step_growth == 1.0  # the mode that morphs late and slowly
 
 
 def test_quiet_period_restores_everything_last_in_first_out():
@@ -98,6 +125,8 @@ def test_static_policies_never_act_and_max_is_respected():
         ("balanced", {"nope": 1}, "morph_nope"),
         ("balanced", {"down_tpot_s": -0.1}, "morph_down_tpot_s"),
         ("balanced", {"up_tpot_ratio": 1.0}, "morph_up_tpot_ratio"),
+        ("balanced", {"down_step_growth": 0.5}, "morph_down_step_growth"),
+        ("balanced", {"down_step_growth": "inf"}, "morph_down_step_growth"),
     ],
 )
 def test_invalid_policies_are_named(spec, overrides, match):
@@ -221,8 +250,8 @@ QUEUED = dict(waiting=5, head_wait=1.5, usage=0.6, faster=True)  # waited 1.5 s,
 def test_a_queue_waiting_on_compute_swaps_where_quantized_is_faster():
     c = Controller(parse_policy("balanced", 31, QUEUE))
     int4, actions = run(c, [dict()] * 3 + [QUEUED] * 3)
-    # at once (the head's wait is its own persistence), and again while it keeps waiting
-    assert actions == [(i, "down", c.policy.layers_per_action) for i in (3, 4, 5)]
+    # at once (the head's wait is its own persistence), and again, growing, while it keeps waiting
+    assert actions == [(3, "down", 2), (4, "down", 4), (5, "down", 8)]
     assert "KV cache not short" in c.pressure(signals(0.0, **QUEUED))[0]
 
 
@@ -256,7 +285,7 @@ def test_the_ttft_slo_sets_the_queueing_pressure_of_the_capacity_first_mode_only
 def test_a_drained_queue_restores_after_the_quiet_spell():
     c = Controller(parse_policy("balanced", 31, QUEUE))
     int4, actions = run(c, [QUEUED] * 2 + [dict(usage=0.3, after=0.3)] * 200)
-    assert int4 == 0 and [k for _, k, _ in actions] == ["down", "down", "up", "up"]
+    assert int4 == 0 and [(k, n) for _, k, n in actions] == [("down", 2), ("down", 4), ("up", 2), ("up", 2), ("up", 2)]
     first_up = next(i for i, k, _ in actions if k == "up")
     assert (first_up - 1) * 0.05 >= c.policy.up_quiet_s - 1e-9
 
@@ -274,7 +303,7 @@ def test_signals_are_the_load_plus_the_managers_state():
         kv_usage=0.95,
         admission_blocked=True,
         new_preemptions=1,
-        head_blocks_short=40,
+        queue_blocks_short=40,
         tpot_s=0.02,
         batch=9,
         evicted_miss_s=0.3,
@@ -287,7 +316,7 @@ def test_signals_are_the_load_plus_the_managers_state():
         kv_usage=0.95,
         admission_blocked=True,
         new_preemptions=1,
-        head_blocks_short=40,
+        queue_blocks_short=40,
         blocks_per_layer=16,
         int4_layers=2,
         usage_after_shrink=0.6,

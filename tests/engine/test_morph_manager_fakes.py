@@ -155,7 +155,7 @@ class Rig:
 
     def pressure(self, n=1):
         for _ in range(n):
-            self.step(waiting=4, head_wait_s=1.0, kv_usage=0.97, admission_blocked=True, head_blocks_short=0)
+            self.step(waiting=4, head_wait_s=1.0, kv_usage=0.97, admission_blocked=True, queue_blocks_short=0)
 
     def quiet(self, seconds):
         for _ in range(round(seconds / 0.05)):

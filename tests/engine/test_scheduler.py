@@ -208,9 +208,9 @@ def test_a_priority_out_of_range_is_named(bad):
         SamplingParams(priority=bad)
 
 
-def test_head_blocks_short_counts_what_the_head_of_the_queue_lacks_within_a_priority():
+def test_queue_blocks_short_counts_what_the_waiting_queue_lacks_within_a_priority():
     s = Scheduler(pool(blocks=4, bs=4), max_batch_size=8, max_num_tokens=64)
-    assert s.head_within(0) is None and s.head_blocks_short(0) == 0  # nobody waits
+    assert s.head_within(0) is None and s.queue_blocks_short(0) == 0  # nobody waits
     hog = req("hog", 12)  # 3 of the 4 blocks
     s.add(hog)
     advance(s.schedule())
@@ -219,10 +219,28 @@ def test_head_blocks_short_counts_what_the_head_of_the_queue_lacks_within_a_prio
     out = s.schedule()
     assert out.admission_blocked and s.waiting == [big] and big.block_table == []
     assert s.pool.num_allocatable == 0  # the hog's first decode took the last block
-    assert s.head_within(2) is big and s.head_blocks_short(2) == 3  # 10 tokens: 3 blocks
-    assert s.head_within(1) is None and s.head_blocks_short(1) == 0  # a less important head is no load of class 1
+    assert s.head_within(2) is big and s.queue_blocks_short(2) == 3  # 10 tokens: 3 blocks
+    assert s.head_within(1) is None and s.queue_blocks_short(1) == 0  # a less important head is no load of class 1
+    small = Request("small", list(range(5)), SamplingParams(max_tokens=5, priority=0), RequestTimings(arrival=2.0))
+    s.add(small)  # more important: ahead of big
+    assert s.waiting == [small, big]
+    assert s.queue_blocks_short(0) == 2  # class 0 alone: small's 5 tokens
+    assert s.queue_blocks_short(2) == 2 + 3  # the whole queue: what one swap must pay for to admit both
     s.finish(hog)
-    assert s.head_blocks_short(2) == 0  # room for it now
+    assert s.queue_blocks_short(2) == 1  # 4 blocks free now, 5 needed
+
+
+def test_queue_blocks_short_counts_only_as_many_as_free_batch_slots():
+    s = Scheduler(pool(blocks=3, bs=4), max_batch_size=2, max_num_tokens=64)
+    a = req("a", 8)
+    s.add(a)
+    advance(s.schedule())  # a holds 2 of the 3 blocks, one batch slot left
+    for rid in ("b", "c", "d"):
+        s.add(req(rid, 8))
+    s.schedule()  # b cannot be admitted with 1 block free
+    assert [r.request_id for r in s.waiting] == ["b", "c", "d"] and len(s.running) == 1
+    assert s.pool.num_allocatable == 0  # a's decode took the last block
+    assert s.queue_blocks_short(0) == 2  # b alone fits the one free slot: c and d could not run anyway
 
 
 # ---- capacity policies (TensorRT-LLM's batch_scheduler_policy) -------------------------------------------------
@@ -267,7 +285,7 @@ def test_no_evict_admits_only_what_can_run_to_max_tokens_beside_the_running():
     out = s.schedule()
     assert [r.request_id for r, _ in out.scheduled] == ["a"] and out.admission_blocked  # b needs 3 of the 2 left
     assert len(a.block_table) == 2 and s.reserved_blocks() == 2  # holds its prompt, promised the rest
-    assert s.head_blocks_short(0) == 1
+    assert s.queue_blocks_short(0) == 1
     # max_utilization admits both at once (b's prompt fits) and pays for it with a preemption later
     m = Scheduler(pool(blocks=6, bs=4), 8, 64)
     a2, b2 = mreq("a", 8, max_tokens=8), mreq("b", 4, max_tokens=8)

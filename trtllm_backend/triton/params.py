@@ -355,6 +355,13 @@ PARAMS: tuple[Param, ...] = (
         Param(f"morph_{name}", f"{kind}?", "", f"engine.morph_overrides.{name}", doc, check)
         for name, kind, doc, check in (
             ("layers_per_action", "int", "Layers swapped per morph action.", at_least(1)),
+            (
+                "down_step_growth",
+                "float",
+                "Each swap down that follows the last action without a quiet spell (morph_up_quiet_s) between "
+                "them swaps this many times as many layers as the one before (1: always morph_layers_per_action).",
+                at_least(1.0),
+            ),
             ("max_int4_layers", "int", "Most layers quantized at once.", at_least(0)),
             (
                 "down_kv_usage",
