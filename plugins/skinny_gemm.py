@@ -1,7 +1,8 @@
 """Dense linear dispatch: the C++ skinny GEMM for fp32 CPU decode batches (fp32 or fp16-stored weights),
 `F.linear` (MKL) otherwise. bf16-stored weights (weight_dtype=bfloat16) multiply bf16 inputs with fp32
-accumulation: the C++ AVX512_BF16 kernel for decode batches (csrc/bf16_linear.cpp), torch's bf16 linear (oneDNN)
-for prefill chunks and on CPUs without AVX512_BF16.
+accumulation: the C++ AVX512_BF16 kernel at every batch, prefill chunks included (csrc/bf16_linear.cpp: level
+with torch's bf16 linear from 256 rows, ahead below, and its fp32 in and out spare the engine two conversions of
+every activation), and torch's bf16 linear (oneDNN) on CPUs without AVX512_BF16.
 
 On this AVX2 CPU MKL's sgemm reaches about half the memory bandwidth at batch 1 and slows down per row at
 batch 2-32, while a decode step's matmuls are bound by reading the weights once. The kernel
@@ -24,7 +25,7 @@ _bf16_cpu: list[bool] = []  # whether the CPU has AVX512_BF16, asked of the libr
 
 
 def bf16_kernel_available() -> bool:
-    """Whether decode batches with bf16 weights take the C++ AVX512_BF16 kernel (else torch's bf16 linear)."""
+    """Whether bf16 weights take the C++ AVX512_BF16 kernel (else torch's bf16 linear)."""
     ns = cpu_kernels.ops()
     if ns is None:
         return False
@@ -37,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T; the weight may be stored in fp16 under fp32 activations (widened here), or in
     bf16 (the inputs are then rounded to bf16 too, and the sums kept in fp32)."""
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
-        if x.dim() == 2 and x.shape[0] <= MAX_ROWS and not x.is_cuda and bf16_kernel_available():
+        if x.dim() == 2 and not x.is_cuda and bf16_kernel_available():
             return cpu_kernels.ops().bf16_linear(x, weight)
         return F.linear(x.to(torch.bfloat16), weight).to(torch.float32)
     if (

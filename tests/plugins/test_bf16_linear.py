@@ -1,6 +1,6 @@
 """The bf16 dense kernel (csrc/bf16_linear.cpp, bf16_tile.h) and its dispatch in plugins/skinny_gemm.py: bf16
 inputs and weights with fp32 sums, a row's result independent of its batch and of the prefetch, bad input
-rejected, prefill-sized inputs and CPUs without AVX512_BF16 on torch's bf16 linear."""
+rejected, decode rows and prefill chunks on the kernel, CPUs without AVX512_BF16 on torch's bf16 linear."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @needs_bf16
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, skinny_gemm.MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, skinny_gemm.MAX_ROWS, 131])
 @pytest.mark.parametrize(("n", "k"), [(7, 100), (13, 33), (24, 64), (960, 576), (576, 1536)])
 def test_bf16_linear_is_the_product_of_bf16_rounded_inputs(m, n, k):
     x, w = _inputs(m, n, k, seed=m + n + k)
@@ -76,14 +76,13 @@ def test_bf16_linear_rejects_bad_input(bad, match):
 
 
 @needs_bf16
-def test_linear_dispatch_takes_the_kernel_for_decode_rows_and_torch_for_prefill_chunks():
-    x, w = _inputs(skinny_gemm.MAX_ROWS + 1, 40, 96, seed=3)
-    decode = x[: skinny_gemm.MAX_ROWS]
-    assert torch.equal(skinny_gemm.linear(decode, w), ns.bf16_linear(decode, w))
-    prefill = skinny_gemm.linear(x, w)
-    assert prefill.dtype == torch.float32
-    assert torch.equal(prefill, F.linear(x.bfloat16(), w).float())  # torch's output is rounded to bf16
-    torch.testing.assert_close(prefill, _reference(x, w), rtol=1e-2, atol=1e-2)
+def test_linear_dispatch_takes_the_kernel_for_decode_rows_and_prefill_chunks_alike():
+    x, w = _inputs(4 * skinny_gemm.MAX_ROWS + 3, 40, 96, seed=3)
+    for rows in (1, skinny_gemm.MAX_ROWS, x.shape[0]):
+        got = skinny_gemm.linear(x[:rows], w)
+        assert got.dtype == torch.float32 and torch.equal(got, ns.bf16_linear(x[:rows], w))
+    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-5)  # fp32 out: not rounded to bf16
+    assert torch.equal(got[:5], skinny_gemm.linear(x[:5], w))  # a prompt's rows are its decode rows' numbers
 
 
 @needs_kernels
