@@ -13,6 +13,10 @@ evicted (timed at the engine's measured cost of a token). It is memory a bigger 
 down keeps more conversations cached between their turns. Its restore waits `up_cache_quiet_s` after the last
 such miss, since a shrink evicts what the next turn would reuse.
 
+A swap down takes enough units to admit the waiting queue, and at least the policy's step; the step grows
+(`down_step_growth`) while swaps follow each other without a quiet spell, so a burst that outgrows one swap gets
+a bigger next one rather than one step per wait for pressure.
+
 Hysteresis keeps it from oscillating: pressure must persist for `down_persist` iterations before a swap,
 and the load must stay low for `up_quiet_s` seconds (measured from the last sign of pressure or the end of
 the last action, `hold`) before a restore; with the TPOT pressure on, a restore also waits for TPOT at or below
