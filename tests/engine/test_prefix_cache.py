@@ -288,7 +288,7 @@ def test_cached_blocks_nobody_holds_are_free_room_not_kv_pressure():
     engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), lambda o: None)
     engine.run_until_idle()
     assert pool.cache.stats.evictions > 0
-    assert seen and all(not s.admission_blocked and s.head_blocks_short == 0 and s.kv_usage < 0.9 for s in seen)
+    assert seen and all(not s.admission_blocked and s.queue_blocks_short == 0 and s.kv_usage < 0.9 for s in seen)
     assert engine.counters.swaps_down == 0 and engine.counters.invariant_violations == 0
 
 
