@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import statistics
 import time
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     if not skinny_gemm.bf16_kernel_available():
         print("[bf16 ab] no AVX512_BF16 kernel here: both dispatches are torch's")
         return 1
+    print(f"[bf16 ab] 1-min load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     rng = random.Random(0)
     for streams in args.streams:
         closed_loop_tok_s(engine, streams, 1, rng)  # warm
